@@ -1,0 +1,20 @@
+"""fedemu.node — the runtime: processes, mailboxes, monitors, the wire format and the
+broker. It moves bytes and ndarrays and knows nothing of learning (no torch here)."""
+from .broker import BROKER_NODE, Broker
+from .runtime import (
+    TIMEOUT,
+    Behaviour,
+    BehaviourProcess,
+    Down,
+    Message,
+    Node,
+    NodeError,
+    Process,
+    ThreadProcess,
+)
+from .wire import Pid, WireError, message
+
+__all__ = [
+    "BROKER_NODE", "Behaviour", "BehaviourProcess", "Broker", "Down", "Message", "Node",
+    "NodeError", "Pid", "Process", "TIMEOUT", "ThreadProcess", "WireError", "message",
+]

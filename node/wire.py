@@ -1,0 +1,236 @@
+"""The wire format: what crosses a ZeroMQ socket between nodes and the broker.
+
+A message is a multipart ZeroMQ message::
+
+    [header, body, array_0, array_1, ...]
+
+* ``header`` — msgpack array ``[version, kind, src_node, src_id, dst_node, dst]``:
+  the only frame the broker unpacks, so routing cost does not grow with the payload.
+  ``dst`` is a local process id (int) or a registered name (str); ``dst_node`` is
+  ``""`` when the destination is a name the broker must resolve.
+* ``body`` — msgpack of the payload. ndarrays inside it are replaced by a small
+  extension record (index, dtype, shape) and travel as the raw frames that follow,
+  so a 800 KB model is never copied into a msgpack buffer and never pickled.
+* Pids and registered message classes (dataclasses, see :func:`message`) travel as
+  msgpack extension types as well.
+
+Decoding is defensive: every limit is checked and any violation raises
+:class:`WireError` with the reason, which callers log before dropping the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+VERSION = 1
+
+# Message kinds (header[1]).
+USER = 0  # a message between processes
+CTL = 1  # runtime control traffic (hello, heartbeat, monitor, down, register, ...)
+
+# Extension type codes inside a body.
+_EXT_PID = 1
+_EXT_ARRAY = 2
+_EXT_MESSAGE = 3
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_HEADER_BYTES = 4096
+MAX_ARRAYS = 1024
+
+# Plain numeric dtypes only: object or structured dtypes could smuggle arbitrary data.
+_ALLOWED_DTYPE_KINDS = set("biuf")
+
+
+class WireError(ValueError):
+    """A frame that cannot be decoded; the message names what is wrong."""
+
+
+class Pid(NamedTuple):
+    """A process id: the node it lives on and its id there."""
+
+    node: str
+    id: int
+
+    def __str__(self) -> str:
+        return f"<{self.node}.{self.id}>"
+
+
+class Header(NamedTuple):
+    kind: int
+    src: Pid
+    dst_node: str  # "" when dst is a name the broker resolves
+    dst: int | str
+
+
+# --- registered message classes -------------------------------------------------
+
+_MESSAGE_TYPES: dict[str, type] = {}
+
+
+def message(cls: type) -> type:
+    """Class decorator: make a dataclass sendable (registered by its class name).
+
+    Both ends must import the module that defines it; an unknown name is a
+    :class:`WireError` on decode, never an arbitrary import.
+    """
+    if not dataclasses.is_dataclass(cls):
+        cls = dataclasses.dataclass(cls)
+    name = cls.__name__
+    if name in _MESSAGE_TYPES and _MESSAGE_TYPES[name] is not cls:
+        raise ValueError(f"message type {name!r} registered twice")
+    _MESSAGE_TYPES[name] = cls
+    return cls
+
+
+# --- header -----------------------------------------------------------------------
+
+
+def pack_header(kind: int, src: Pid, dst: Pid | str) -> bytes:
+    if isinstance(dst, Pid):
+        return msgpack.packb([VERSION, kind, src.node, src.id, dst.node, dst.id])
+    return msgpack.packb([VERSION, kind, src.node, src.id, "", dst])
+
+
+def unpack_header(frame: bytes | memoryview) -> Header:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        fields = msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"header is not msgpack: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != 6:
+        raise WireError("header is not a 6-element array")
+    version, kind, src_node, src_id, dst_node, dst = fields
+    if version != VERSION:
+        raise WireError(f"wire version {version!r}, expected {VERSION}")
+    if kind not in (USER, CTL):
+        raise WireError(f"unknown message kind {kind!r}")
+    if not isinstance(src_node, str) or not isinstance(src_id, int):
+        raise WireError("header source is not (str, int)")
+    if not isinstance(dst_node, str) or not isinstance(dst, (int, str)) or isinstance(dst, bool):
+        raise WireError("header destination is not (str, int|str)")
+    return Header(kind, Pid(src_node, src_id), dst_node, dst)
+
+
+# --- body -------------------------------------------------------------------------
+
+
+def pack_body(payload: Any) -> list:
+    """Return ``[body_bytes, *array_buffers]`` for ``payload``.
+
+    Arrays are not copied when already C-contiguous: the caller must not modify an
+    array after sending it (like MPI_Isend), because the socket may still read it.
+    """
+    buffers: list = []
+
+    def default(obj: Any) -> msgpack.ExtType:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in _ALLOWED_DTYPE_KINDS:
+                raise TypeError(f"cannot send an ndarray of dtype {obj.dtype}")
+            arr = np.ascontiguousarray(obj)
+            buffers.append(memoryview(arr).cast("B") if arr.size else b"")
+            meta = msgpack.packb([len(buffers) - 1, arr.dtype.str, list(arr.shape)])
+            return msgpack.ExtType(_EXT_ARRAY, meta)
+        if isinstance(obj, Pid):
+            return msgpack.ExtType(_EXT_PID, msgpack.packb([obj.node, obj.id]))
+        if isinstance(obj, tuple):
+            return list(obj)  # type: ignore[return-value]
+        if dataclasses.is_dataclass(obj) and type(obj).__name__ in _MESSAGE_TYPES:
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            inner = msgpack.packb([type(obj).__name__, fields], default=default, strict_types=True)
+            return msgpack.ExtType(_EXT_MESSAGE, inner)
+        if isinstance(obj, (np.integer, np.floating, np.bool_)):
+            return obj.item()  # type: ignore[return-value]
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj)  # type: ignore[return-value]
+        raise TypeError(f"cannot send an object of type {type(obj).__name__}")
+
+    # strict_types: a Pid (a tuple subclass) must reach `default`, not become a list.
+    body = msgpack.packb(payload, default=default, use_bin_type=True, strict_types=True)
+    return [body, *buffers]
+
+
+def unpack_body(body: bytes | memoryview, arrays: list) -> Any:
+    """Inverse of :func:`pack_body`; ``arrays`` are the raw frames (bytes or zmq.Frame)."""
+    if len(arrays) > MAX_ARRAYS:
+        raise WireError(f"{len(arrays)} array frames exceed the limit of {MAX_ARRAYS}")
+    used = [False] * len(arrays)
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == _EXT_PID:
+            node, pid_id = msgpack.unpackb(data)
+            if not isinstance(node, str) or not isinstance(pid_id, int):
+                raise WireError("malformed pid")
+            return Pid(node, pid_id)
+        if code == _EXT_ARRAY:
+            index, dtype_str, shape = msgpack.unpackb(data)
+            return _array_from_frame(arrays, used, index, dtype_str, shape)
+        if code == _EXT_MESSAGE:
+            name, fields = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=True)
+            cls = _MESSAGE_TYPES.get(name)
+            if cls is None:
+                raise WireError(f"unknown message type {name!r}")
+            try:
+                return cls(**fields)
+            except TypeError as exc:
+                raise WireError(f"bad fields for {name}: {exc}") from None
+        raise WireError(f"unknown extension type {code}")
+
+    try:
+        payload = msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as exc:
+        raise WireError(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not all(used):
+        raise WireError("array frames not referenced by the body")
+    return payload
+
+
+def _array_from_frame(arrays: list, used: list, index: Any, dtype_str: Any, shape: Any) -> np.ndarray:
+    if not isinstance(index, int) or not 0 <= index < len(arrays) or used[index]:
+        raise WireError(f"array reference {index!r} is invalid")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:
+        raise WireError(f"unknown dtype {dtype_str!r}") from None
+    if dtype.kind not in _ALLOWED_DTYPE_KINDS:
+        raise WireError(f"dtype {dtype} is not allowed on the wire")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WireError(f"bad array shape {shape!r}")
+    frame = arrays[index]
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(buf) != expected:
+        raise WireError(f"array frame has {len(buf)} bytes, shape {shape} of {dtype} needs {expected}")
+    used[index] = True
+    # Zero-copy: the array is a read-only view that keeps the frame alive.
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def encode(kind: int, src: Pid, dst: Pid | str, payload: Any) -> list:
+    """All frames of one message, header first."""
+    return [pack_header(kind, src, dst), *pack_body(payload)]
+
+
+def decode(frames: list, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, Any]:
+    """Frames (without any routing identity) -> (header, payload)."""
+    if len(frames) < 2:
+        raise WireError(f"{len(frames)} frame(s); a message needs a header and a body")
+    size = message_size(frames)
+    if size > max_bytes:
+        raise WireError(f"message of {size} bytes exceeds the limit of {max_bytes}")
+    header = unpack_header(_buffer(frames[0]))
+    payload = unpack_body(_buffer(frames[1]), frames[2:])
+    return header, payload
+
+
+def message_size(frames: list) -> int:
+    return sum(len(_buffer(f)) for f in frames)
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
