@@ -377,6 +377,11 @@ class Node:
             raise NodeError(f"broker did not answer {body['op']!r} within {timeout}s")
         return slot[0]
 
+    def send(self, dst: Pid | str, body: Any) -> None:
+        """Send from the node itself (pid id 0): for code outside any process, such as
+        a signal handler asking the server to stop."""
+        self._send(USER, Pid(self.name, 0), dst, body)
+
     def processes(self) -> list[Process]:
         with self._state:
             return list(self._procs.values())

@@ -1,0 +1,118 @@
+"""The ``fedemu`` command."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from . import config as configuration
+
+
+def _config_error(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """fedemu: a federated-learning emulator on real processes and sockets."""
+
+
+@main.command()
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config entry.")
+@click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: run.out/<time>-<algorithm>-...).")
+@click.option("--workers", type=int, help="Worker nodes (OS processes); default: number of cores.")
+def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None) -> None:
+    """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine."""
+    from fedemu.worker.data import DatasetError
+
+    from .local import LaunchError, launch as run_local
+
+    try:
+        run_dir, summary = run_local(config_file, list(overrides), out, workers)
+    except (configuration.ConfigError, LaunchError, DatasetError) as exc:
+        raise _config_error(exc) from None
+    click.echo(f"summary: {json.dumps(summary)}")
+    click.echo(f"run directory: {run_dir}")
+    if summary.get("status") != "completed":
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
+    """Validate a config without running it; print the resolved config."""
+    try:
+        config = configuration.load(config_file, list(overrides))
+    except configuration.ConfigError as exc:
+        raise _config_error(exc) from None
+    click.echo(configuration.to_toml(config))
+    click.echo("ok: the config is valid")
+
+
+@main.group()
+def data() -> None:
+    """Fetch and list data sets."""
+
+
+@data.command("fetch")
+@click.argument("name")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache folder (default: $FEDEMU_DATA_DIR or ~/.cache/fedemu).")
+def data_fetch(name: str, cache_dir: str | None) -> None:
+    """Fetch data set NAME (mnist, fashion-mnist), verify it, and cache a converted copy."""
+    from fedemu.worker import data as datasets
+
+    try:
+        path = datasets.fetch(name, cache_dir)
+    except datasets.DatasetError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name}: {path}")
+
+
+@data.command("list")
+@click.option("--cache-dir", type=click.Path(file_okay=False))
+def data_list(cache_dir: str | None) -> None:
+    """List the known data sets and whether they are cached."""
+    from fedemu.worker import data as datasets
+
+    for entry in datasets.list_datasets(cache_dir):
+        click.echo(json.dumps(entry, default=str))
+
+
+@main.command()
+@click.option("--bind", required=True, help="tcp://HOST:PORT to listen on (port 0: any free port).")
+@click.option("--endpoint-file", type=click.Path(dir_okay=False, path_type=Path), help="Write the bound address here.")
+@click.option("--heartbeat-interval", type=float, default=0.5, show_default=True)
+@click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True)
+@click.option("--max-message-bytes", type=int, default=256 * 1024 * 1024, show_default=True)
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path))
+def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
+           max_message_bytes: int, log_dir: Path | None) -> None:
+    """Run the message broker that every node connects to."""
+    from .nodes import run_broker, setup_logging
+
+    setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
+    try:
+        run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command(hidden=True)
+@click.argument("role", type=click.Choice(["server", "worker"]))
+@click.option("--broker", "broker_addr", required=True)
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--workers", type=int, required=True)
+@click.option("--index", type=int, default=0)
+def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int) -> None:
+    """Run one node of a run (started by `fedemu launch`)."""
+    from .nodes import run_server_node, run_worker_node, setup_logging
+
+    name = "server" if role == "server" else f"worker-{index}"
+    setup_logging(run_dir, name)
+    if role == "server":
+        sys.exit(run_server_node(broker_addr, run_dir, workers))
+    sys.exit(run_worker_node(broker_addr, run_dir, index, workers))

@@ -1,0 +1,178 @@
+"""Start a whole run on this machine: broker, server node and worker nodes as real
+OS processes; show live progress; stop every one of them at the end or on Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+from fedemu.server.runlog import EVENTS, SUMMARY
+
+from . import config as configuration
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def make_run_dir(config: dict, out: str | Path | None) -> Path:
+    if out is not None:
+        run_dir = Path(out)
+        if (run_dir / EVENTS).exists():
+            raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"{stamp}-{config['algorithm']['name']}-{config['data']['dataset']}-{config['model']['name']}"
+        run_dir = Path(config["run"]["out"]) / name
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+class LocalRun:
+    """The OS processes of one run on this machine."""
+
+    def __init__(self, config: dict, run_dir: Path, workers: int, echo: Callable[[str], None] = print):
+        self.config = config
+        self.run_dir = run_dir
+        self.workers = workers
+        self.echo = echo
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._events_offset = 0
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        out = open(self.run_dir / "logs" / f"{name}.out", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> None:
+        run = self.config["run"]
+        endpoint_file = self.run_dir / "broker.endpoint"
+        broker = self._start("broker", "broker", "--bind", "tcp://127.0.0.1:0", "--endpoint-file", str(endpoint_file),
+                             "--heartbeat-interval", str(run["heartbeat_interval_s"]),
+                             "--heartbeat-timeout", str(run["heartbeat_timeout_s"]))
+        deadline = time.monotonic() + 30
+        while not endpoint_file.exists():
+            if broker.poll() is not None:
+                raise LaunchError(f"the broker exited with code {broker.returncode}: {self._tail('broker')}")
+            if time.monotonic() > deadline:
+                raise LaunchError("the broker did not start within 30s")
+            time.sleep(0.05)
+        endpoint = endpoint_file.read_text().strip()
+        common = ["--broker", endpoint, "--run-dir", str(self.run_dir), "--workers", str(self.workers)]
+        self._start("server", "node", "server", *common)
+        for i in range(self.workers):
+            self._start(f"worker-{i}", "node", "worker", "--index", str(i), *common)
+
+    def follow(self) -> dict:
+        """Print progress until the server node exits; returns the summary."""
+        server = self.procs["server"]
+        while server.poll() is None:
+            self._print_new_events()
+            time.sleep(0.25)
+        self._print_new_events()
+        return self.summary()
+
+    def _print_new_events(self) -> None:
+        path = self.run_dir / EVENTS
+        if not path.exists():
+            return
+        with open(path, encoding="utf-8") as f:
+            f.seek(self._events_offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self._events_offset = f.tell()
+                self.echo(format_event(json.loads(line), self.config["run"]["rounds"]))
+
+    def summary(self) -> dict:
+        path = self.run_dir / SUMMARY
+        if path.exists():
+            return json.loads(path.read_text())
+        return {"status": "failed", "reason": f"the server node exited ({self.procs['server'].returncode}) "
+                f"without a summary: {self._tail('server')}"}
+
+    def _tail(self, name: str, lines: int = 5) -> str:
+        path = self.run_dir / "logs" / f"{name}.out"
+        text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+        return " | ".join(text[-lines:]) or "(no output)"
+
+    def interrupt(self) -> None:
+        server = self.procs.get("server")
+        if server and server.poll() is None:
+            server.send_signal(signal.SIGINT)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Let every process exit on its own, then terminate, then kill: no strays."""
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def format_event(event: dict, rounds: int) -> str:
+    kind = event["event"]
+    if kind == "round":
+        acc = "   -  " if event.get("accuracy") is None else f"{event['accuracy']:.4f}"
+        loss = "  -   " if event.get("loss") is None else f"{event['loss']:.4f}"
+        return (f"round {event['round']:4d}/{rounds}  acc {acc}  loss {loss}  "
+                f"clients {event['participants']:3d}  up {event['bytes_up'] / 1e6:7.2f} MB  "
+                f"elapsed {event['t']:7.1f}s")
+    if kind == "start":
+        return f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), {event['per_round']} per round"
+    if kind == "fault":
+        return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
+    if kind == "end":
+        return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
+    return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
+
+
+def launch(config_path: str | None, overrides: list[str], out: str | None, workers: int | None,
+           echo: Callable[[str], None] = print) -> tuple[Path, dict]:
+    """Run one configuration locally; returns (run directory, summary)."""
+    from fedemu.worker import data
+
+    config = configuration.load(config_path, overrides)
+    if workers is not None:
+        config["run"]["workers"] = workers
+    workers = config["run"]["workers"] or os.cpu_count() or 1
+    run_dir = make_run_dir(config, out)
+    (run_dir / "config.toml").write_text(configuration.to_toml(config))
+    data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
+    echo(f"run directory: {run_dir}")
+    run = LocalRun(config, run_dir, workers, echo)
+    try:
+        run.start()
+        summary = run.follow()
+    except KeyboardInterrupt:
+        echo("interrupted: stopping the run ...")
+        run.interrupt()
+        try:
+            run.procs["server"].wait(30)
+        except (KeyError, subprocess.TimeoutExpired):
+            pass
+        summary = run.summary()
+    finally:
+        run.stop()
+    return run_dir, summary

@@ -1,0 +1,131 @@
+"""What one OS process of a run does: the broker, the server node, or a worker node.
+
+The launcher starts each as ``fedemu broker ...`` / ``fedemu node ROLE ...``; every one
+reads the resolved ``config.toml`` from the run directory and logs to
+``logs/<name>.log`` there.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+from fedemu.node import Broker, Node
+
+log = logging.getLogger("fedemu.launch")
+
+
+def setup_logging(run_dir: Path | None, name: str, verbose: bool = False) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers[0].setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if run_dir is not None:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(run_dir / "logs" / f"{name}.log")
+        file_handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+        handlers.append(file_handler)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
+               max_message_bytes: int) -> None:
+    broker = Broker(bind, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+                    max_message_bytes=max_message_bytes)
+    if endpoint_file is not None:
+        tmp = endpoint_file.with_suffix(".tmp")
+        tmp.write_text(broker.endpoint + "\n")
+        os.replace(tmp, endpoint_file)  # readers never see half an address
+    print(broker.endpoint, flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: broker.stop())
+    broker.serve_forever()
+
+
+def read_config(run_dir: Path) -> dict:
+    return tomllib.loads((run_dir / "config.toml").read_text())
+
+
+def _node(name: str, broker: str, config: dict, pool_size: int = 1) -> Node:
+    run = config["run"]
+    return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
+                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=pool_size).start()
+
+
+def _set_torch_threads(config: dict, workers: int) -> None:
+    import torch
+
+    threads = config["run"]["torch_threads"] or max(1, (os.cpu_count() or 1) // max(workers, 1))
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+
+
+def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
+    """The server node: hosts the server process; returns the exit code."""
+    from fedemu.server import strategies
+    from fedemu.server.engine import RoundEngine, RoundSettings, Stop
+    from fedemu.server.runlog import RunLog
+    from fedemu.worker import data
+
+    config = read_config(run_dir)
+    run, algo = config["run"], config["algorithm"]
+    _set_torch_threads(config, 1)
+    dataset = data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None)
+    settings = RoundSettings(
+        clients=config["data"]["clients"], C=algo["C"], epochs=algo["E"], batch_size=algo["B"],
+        rounds=run["rounds"], seed=run["seed"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
+        eval_every=run["eval_every"], target_accuracy=run["target_accuracy"], workers=workers,
+        startup_timeout_s=run["startup_timeout_s"],
+    )
+    strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"])
+    runlog = RunLog(run_dir)
+    engine = RoundEngine(settings, strategy, config["model"]["name"], dataset, runlog)
+    node = _node("server", broker, config)
+    result: dict = {}
+    pid = node.spawn(lambda proc: result.update(engine.run(proc)), name="server")
+
+    def stop(status: str, reason: str) -> None:
+        node.send(pid, Stop(status, reason))
+
+    signal.signal(signal.SIGINT, lambda *_: stop("interrupted", "interrupted by the user"))
+    signal.signal(signal.SIGTERM, lambda *_: stop("interrupted", "terminated by a signal"))
+    node.on_close.append(lambda reason: stop("failed", f"server node closed: {reason}"))
+    while not result and not node.closed.is_set():
+        time.sleep(0.1)
+    while not result:  # the engine writes its summary even when the node closed
+        time.sleep(0.1)
+    runlog.close()
+    if not node.closed.is_set():
+        node.shutdown_all()
+        node.wait(10)
+    node.close("run finished")
+    return 0 if result.get("status") == "completed" else 1
+
+
+def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int:
+    from fedemu.worker import data, partition
+    from fedemu.worker.client import host_clients, placement
+
+    config = read_config(run_dir)
+    data_cfg = config["data"]
+    _set_torch_threads(config, workers)
+    dataset = data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None)
+    opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
+    shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"], config["run"]["seed"], **opts)
+    node = _node(f"worker-{index}", broker, config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # The server decides when the run ends; a worker only leaves when told, or
+        # when its node is closed (broker lost, shutdown).
+        signal.signal(sig, lambda *_: threading.Thread(target=node.close, args=("signal",), daemon=True).start())
+    host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
+                 config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"])
+    node.wait()
+    return 0

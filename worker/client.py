@@ -1,0 +1,111 @@
+"""Emulated clients: many per worker node, each a cheap behaviour process.
+
+An idle client holds only its shard's indices; the model weights exist only while it
+trains, in a model instance owned by the pool thread that runs it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from fedemu.node import Behaviour, BehaviourProcess, Message, Node
+
+from . import models, training
+from .data import Dataset
+from .protocol import GRADIENT, TRAIN, TrainReply, TrainRequest, WorkerReady, client_name
+
+log = logging.getLogger("fedemu.worker")
+
+
+def placement(num_clients: int, num_workers: int) -> list[range]:
+    """Which clients each worker node hosts: contiguous blocks, as even as possible.
+
+    Stated and reproducible, since placement can change asynchronous behaviour.
+    """
+    if num_workers < 1:
+        raise ValueError(f"need at least one worker node, got {num_workers}")
+    bounds = [k * num_clients // num_workers for k in range(num_workers + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(num_workers)]
+
+
+def client_generator(seed: int, round_: int, client: int) -> torch.Generator:
+    """The shuffling RNG of one client in one round, independent of thread timing."""
+    state = np.random.SeedSequence([seed, round_, client]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+class _ModelCache(threading.local):
+    """One model instance per pool thread: weights are loaded into it per request."""
+
+    def get(self, name: str) -> torch.nn.Module:
+        models_by_name = self.__dict__.setdefault("models", {})
+        if name not in models_by_name:
+            models_by_name[name] = models.build(name)
+        return models_by_name[name]
+
+
+class Client(Behaviour):
+    def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache):
+        self.client_id = client_id
+        self.indices = indices
+        self.dataset = dataset
+        self.model_name = model_name
+        self._cache = cache
+
+    def handle(self, proc: BehaviourProcess, msg: Message) -> None:
+        request = msg.body
+        if not isinstance(request, TrainRequest):
+            log.warning("client %d ignores %r from %s", self.client_id, type(request).__name__, msg.sender)
+            return
+        started = time.perf_counter()
+        model = self._cache.get(self.model_name)
+        models.set_flat(model, request.weights)
+        images = self.dataset.train_images[self.indices]
+        labels = self.dataset.train_labels[self.indices]
+        if request.task == TRAIN:
+            result = training.client_update(
+                model, images, labels,
+                epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
+                generator=client_generator(request.seed, request.round, self.client_id),
+            )
+            update, loss = result.weights, result.train_loss
+        elif request.task == GRADIENT:
+            update, loss = training.local_gradient(model, images, labels)
+        else:
+            raise ValueError(f"unknown task {request.task!r}")
+        proc.send(msg.sender, TrainReply(
+            round=request.round, client=self.client_id, task=request.task, update=update,
+            num_samples=len(self.indices), train_loss=float(loss),
+            compute_s=time.perf_counter() - started,
+        ))
+
+
+def host_clients(
+    node: Node,
+    dataset: Dataset,
+    shards: list[np.ndarray],
+    clients: range,
+    model_name: str,
+    server: str = "server",
+    startup_timeout: float = 120.0,
+) -> None:
+    """Spawn this node's clients, register their names, and report to the server."""
+    cache = _ModelCache()
+    entries = []
+    for k in clients:
+        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache))
+        entries.append((client_name(k), pid, k))
+    node.register_many(entries)
+    deadline = time.monotonic() + startup_timeout
+    server_pid = node.whereis(server)
+    while server_pid is None:
+        if time.monotonic() > deadline or node.closed.is_set():
+            raise TimeoutError(f"no process registered as {server!r} within {startup_timeout:.0f}s")
+        time.sleep(0.2)
+        server_pid = node.whereis(server)
+    node.send(server_pid, WorkerReady(node.name, [[k, pid] for _, pid, k in entries]))
+    log.info("node %s hosts clients %d..%d (%d)", node.name, clients.start, clients.stop - 1, len(clients))
