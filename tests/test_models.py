@@ -1,0 +1,82 @@
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fedemu.worker import models
+
+
+@pytest.mark.parametrize("name, expected", [("2nn", 199_210), ("cnn", 1_663_370)])
+def test_parameter_counts_match_the_paper(name, expected):
+    assert models.num_parameters(models.build(name)) == expected
+
+
+@pytest.mark.parametrize("name", models.MODEL_NAMES)
+def test_output_is_one_logit_per_class(name):
+    model = models.build(name, seed=0)
+    logits = model(torch.rand(3, 1, 28, 28))
+    assert logits.shape == (3, 10)
+
+
+def test_model_names_and_unknown_name():
+    assert models.MODEL_NAMES == ("2nn", "cnn")
+    with pytest.raises(ValueError, match="allowed: 2nn, cnn"):
+        models.build("resnet")
+
+
+@pytest.mark.parametrize("name", models.MODEL_NAMES)
+def test_seeded_build_is_deterministic_and_leaves_global_rng_alone(name):
+    state = torch.get_rng_state()
+    first = models.get_flat(models.build(name, seed=11))
+    again = models.get_flat(models.build(name, seed=11))
+    other = models.get_flat(models.build(name, seed=12))
+    assert torch.equal(torch.get_rng_state(), state)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_get_flat_is_an_independent_float32_vector_in_parameter_order():
+    model = models.build("2nn", seed=0)
+    flat = models.get_flat(model)
+
+    assert flat.dtype == np.float32 and flat.ndim == 1 and flat.flags.c_contiguous
+    assert flat.size == 199_210
+    first_layer = model[1].weight.detach().numpy()
+    np.testing.assert_array_equal(flat[: first_layer.size], first_layer.ravel())
+    np.testing.assert_array_equal(flat[-10:], model[-1].bias.detach().numpy())
+
+    flat[:] = 0  # must not reach into the model
+    assert model[1].weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", models.MODEL_NAMES)
+def test_set_flat_round_trip(name):
+    source = models.build(name, seed=1)
+    target = models.build(name, seed=2)
+    images = torch.rand(4, 1, 28, 28)
+
+    models.set_flat(target, models.get_flat(source))
+
+    np.testing.assert_array_equal(models.get_flat(target), models.get_flat(source))
+    assert torch.equal(target(images), source(images))
+
+
+def test_set_flat_accepts_a_read_only_wire_buffer_silently():
+    source = models.build("2nn", seed=1)
+    wire = models.get_flat(source).tobytes()
+    received = np.frombuffer(wire, dtype=np.float32)
+    assert not received.flags.writeable
+    target = models.build("2nn", seed=2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.set_flat(target, received)
+
+    np.testing.assert_array_equal(models.get_flat(target), received)
+
+
+def test_set_flat_rejects_wrong_length():
+    model = models.build("2nn", seed=0)
+    with pytest.raises(ValueError, match=r"model needs \(199210,\)"):
+        models.set_flat(model, np.zeros(199_209, np.float32))

@@ -1,0 +1,315 @@
+"""The runtime on real processes and sockets: a broker process, peer node processes,
+and a node inside the test process observing them."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from fedemu.node import TIMEOUT, Down, Node, NodeError, Pid, wire
+
+from .realprocs import Procs
+
+HEARTBEAT_TIMEOUT = 1.0
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def broker(procs):
+    return procs.broker(heartbeat_timeout=HEARTBEAT_TIMEOUT)
+
+
+@pytest.fixture
+def node(broker):
+    n = Node("observer", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+    yield n
+    n.close()
+
+
+def run_in_process(node: Node, fn, timeout: float = 30.0):
+    """Run fn(proc) as a process of ``node`` and return what it returns (or raise)."""
+    box: dict = {}
+    done = threading.Event()
+
+    def body(proc):
+        try:
+            box["value"] = fn(proc)
+        except BaseException as exc:  # surfaced to the test below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    node.spawn(body)
+    assert done.wait(timeout), "process did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def whereis(proc, name: str, timeout: float = 5.0) -> Pid:
+    deadline = time.monotonic() + timeout
+    while (pid := proc.whereis(name)) is None:
+        assert time.monotonic() < deadline, f"{name} never registered"
+        time.sleep(0.05)
+    return pid
+
+
+# --- delivery --------------------------------------------------------------------------
+
+
+def test_fifo_per_pair_across_nodes(procs, broker, node):
+    procs.peer("peer", broker)
+    count = 2000
+
+    def sender_and_checker(tag):
+        def body(proc):
+            echo = whereis(proc, "peer/echo")
+            for i in range(count):
+                # A plain map: the peer process does not import this test's classes.
+                proc.send(echo, {"tag": tag, "seq": i})
+            got = []
+            while len(got) < count:
+                msg = proc.receive(lambda m: isinstance(m, dict) and m.get("tag") == tag, timeout=20)
+                assert msg is not TIMEOUT, f"only {len(got)} of {count} echoes arrived"
+                got.append(msg.body["seq"])
+            return got
+        return body
+
+    results = {}
+    threads = [threading.Thread(target=lambda t=t: results.update({t: run_in_process(node, sender_and_checker(t))}))
+               for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # Two senders interleave at the peer, yet each pair's order is kept.
+    assert results["a"] == list(range(count))
+    assert results["b"] == list(range(count))
+
+
+def test_ndarrays_cross_nodes_intact(procs, broker, node):
+    procs.peer("peer", broker)
+    weights = np.random.default_rng(0).standard_normal(199_210).astype(np.float32)
+
+    def body(proc):
+        proc.send(whereis(proc, "peer/echo"), {"w": weights, "shape": np.zeros((3, 4), np.int64)})
+        return proc.receive(dict, timeout=10)
+
+    reply = run_in_process(node, body)
+    assert np.array_equal(reply.body["w"], weights)
+    assert reply.body["shape"].shape == (3, 4) and reply.body["shape"].dtype == np.int64
+
+
+def test_selective_receive_leaves_other_messages_queued(node):
+    def body(proc):
+        proc.send(proc.pid, "first")
+        proc.send(proc.pid, 42)
+        proc.send(proc.pid, "second")
+        picked = proc.receive(int, timeout=1)
+        rest = [proc.receive(timeout=1).body for _ in range(2)]
+        return picked.body, rest
+
+    picked, rest = run_in_process(node, body)
+    assert picked == 42
+    assert rest == ["first", "second"]  # skipped messages keep their order
+
+
+def test_receive_predicate_and_timeout(node):
+    def body(proc):
+        proc.send(proc.pid, {"round": 1})
+        started = time.monotonic()
+        missed = proc.receive(lambda m: isinstance(m, dict) and m.get("round") == 2, timeout=0.3)
+        waited = time.monotonic() - started
+        hit = proc.receive(lambda m: isinstance(m, dict) and m.get("round") == 1, timeout=0.3)
+        return missed, waited, hit
+
+    missed, waited, hit = run_in_process(node, body)
+    assert missed is TIMEOUT and not missed
+    assert waited >= 0.3
+    assert hit.body == {"round": 1}
+
+
+def test_late_message_wakes_a_waiting_receive(node):
+    def body(proc):
+        threading.Timer(0.2, lambda: node.send(proc.pid, "late")).start()
+        return proc.receive(str, timeout=5)
+
+    assert run_in_process(node, body).body == "late"
+
+
+# --- monitors ----------------------------------------------------------------------------
+
+
+def _down_of(node: Node, target_name: str, trigger, timeout: float = 10.0):
+    def body(proc):
+        target = whereis(proc, target_name)
+        ref = proc.monitor(target)
+        trigger(proc, target)
+        started = time.monotonic()
+        msg = proc.receive(Down, timeout=timeout)
+        assert msg is not TIMEOUT, "no DOWN arrived"
+        assert msg.body.ref == ref and msg.body.pid == target
+        extra = proc.receive(Down, timeout=HEARTBEAT_TIMEOUT * 2)
+        return msg.body, time.monotonic() - started, extra
+
+    return run_in_process(node, body, timeout=timeout + 10)
+
+
+def test_down_on_normal_exit(procs, broker, node):
+    procs.peer("peer", broker)
+    down, _, extra = _down_of(node, "peer/echo", lambda proc, t: proc.send(t, "exit"))
+    assert down.reason == "normal"
+    assert extra is TIMEOUT  # exactly one DOWN per monitor
+
+
+def test_down_on_crash_carries_the_error(procs, broker, node):
+    procs.peer("peer", broker)
+    down, _, extra = _down_of(node, "peer/echo", lambda proc, t: proc.send(t, "crash"))
+    assert down.reason.startswith("crash: RuntimeError")
+    assert "asked to crash" in down.reason
+    assert extra is TIMEOUT
+
+
+def test_down_noconnection_when_a_node_is_killed(procs, broker, node):
+    peer = procs.peer("peer", broker)
+    down, waited, extra = _down_of(node, "peer/echo", lambda proc, t: peer.send_signal(signal.SIGKILL))
+    assert down.reason == "noconnection"
+    # Declared lost after the heartbeat timeout, and not much later.
+    assert waited < HEARTBEAT_TIMEOUT + 3.0
+    assert extra is TIMEOUT
+
+
+def test_down_for_every_process_of_a_killed_node(procs, broker, node):
+    peer = procs.peer("peer", broker)
+
+    def body(proc):
+        echo = whereis(proc, "peer/echo")
+        proc.send(echo, "spawn-idle")
+        idle = proc.receive(Pid, timeout=5).body
+        refs = {proc.monitor(echo), proc.monitor(idle)}
+        peer.send_signal(signal.SIGKILL)
+        downs = [proc.receive(Down, timeout=10) for _ in range(2)]
+        return refs, downs
+
+    refs, downs = run_in_process(node, body)
+    assert {d.body.ref for d in downs} == refs
+    assert all(d.body.reason == "noconnection" for d in downs)
+
+
+def test_monitor_of_a_dead_pid_is_noproc(procs, broker, node):
+    procs.peer("peer", broker)
+
+    def body(proc):
+        local_dead = Pid(node.name, 99_999)
+        remote_dead = Pid("peer", 99_999)
+        refs = [proc.monitor(local_dead), proc.monitor(remote_dead)]
+        return refs, [proc.receive(Down, timeout=5).body for _ in refs]
+
+    refs, downs = run_in_process(node, body)
+    assert sorted(d.ref for d in downs) == sorted(refs)
+    assert {d.reason for d in downs} == {"noproc"}
+
+
+def test_monitor_of_an_unknown_node_is_noconnection(node):
+    def body(proc):
+        ref = proc.monitor(Pid("no-such-node", 1))
+        return ref, proc.receive(Down, timeout=5)
+
+    ref, msg = run_in_process(node, body)
+    assert msg is not TIMEOUT
+    assert msg.body.ref == ref and msg.body.reason == "noconnection"
+
+
+def test_heartbeats_flow_while_a_process_hogs_the_cpu(procs, broker, node):
+    """A long computation in a process must not make its node look dead."""
+    procs.peer("peer", broker)
+
+    def hog(proc):
+        deadline = time.monotonic() + 3 * HEARTBEAT_TIMEOUT
+        x = 0
+        while time.monotonic() < deadline:  # pure-Python work that holds the GIL
+            x += sum(range(1000))
+
+    node.spawn(hog)
+
+    def watch(proc):
+        # The peer watches a process of the busy node: no DOWN may arrive.
+        ref = proc.monitor(whereis(proc, "peer/echo"))
+        return proc.receive(Down, timeout=3 * HEARTBEAT_TIMEOUT)
+
+    assert run_in_process(node, watch) is TIMEOUT
+    assert not node.closed.is_set()
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def _raw_socket(endpoint: str, identity: bytes) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_broker_drops_malformed_and_oversize_frames_and_keeps_serving(procs, tmp_path):
+    broker = procs.broker("--max-message-bytes", "100000", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    procs.peer("peer", broker)
+    evil = _raw_socket(broker, b"evil")
+    hello = wire.encode(wire.CTL, Pid("evil", 0), Pid("$broker", 0), {"op": "hello"})
+    evil.send_multipart(hello)
+    assert evil.poll(5000), "broker did not welcome the raw node"
+    evil.recv_multipart()
+    garbage = [
+        [b""],  # no body
+        [b"\xc1\xff\x00", b"x"],  # not msgpack
+        [msgpack.packb([1, 0, "evil", 0]), b""],  # short header
+        [msgpack.packb([99, 0, "evil", 0, "peer", 1]), msgpack.packb(None)],  # wrong version
+        [msgpack.packb([1, 0, "mallory", 0, "peer", 1]), msgpack.packb(None)],  # spoofed source
+        wire.encode(wire.USER, Pid("evil", 1), "nobody/here", "hi"),  # unknown name
+        wire.encode(wire.USER, Pid("evil", 1), Pid("ghost-node", 1), "hi"),  # unknown node
+        wire.encode(wire.USER, Pid("evil", 1), "peer/echo", np.zeros(200_000, np.uint8)),  # oversize
+        [msgpack.packb([1, 1, "evil", 0, "$broker", 0]), b"\x93\x01"],  # truncated control body
+    ]
+    for frames in garbage:
+        evil.send_multipart(frames)
+    # A body the broker does not read but the peer must reject: array frame missing.
+    evil.send_multipart([wire.pack_header(wire.USER, Pid("evil", 1), "peer/echo"),
+                         msgpack.packb(msgpack.ExtType(2, msgpack.packb([0, "<f4", [10]])))])
+    n = Node("observer", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+    try:
+        def body(proc):
+            proc.send(whereis(proc, "peer/echo"), "still there?")
+            return proc.receive(str, timeout=5)
+
+        assert run_in_process(n, body).body == "still there?"
+        stats = n.broker_stats()
+    finally:
+        n.close()
+    evil.close()
+    assert procs.broker_proc.poll() is None, "broker died"
+    dropped = stats["dropped"]
+    assert dropped.get("malformed", 0) >= 5
+    assert dropped.get("spoofed") == 1
+    assert dropped.get("oversize") == 1
+    assert dropped.get("unknown-destination") == 2
+    broker_log = procs.log("broker")
+    assert "oversize" in broker_log and "no process registered as 'nobody/here'" in broker_log
+    # The body the broker forwarded unread was rejected, with its reason, by the peer.
+    assert "node peer dropped a message (malformed): array reference 0 is invalid" in procs.log("peer")
+
+
+def test_node_start_names_an_unreachable_broker():
+    with pytest.raises(NodeError, match="no broker answered at tcp://127.0.0.1:9"):
+        Node("lonely", "tcp://127.0.0.1:9").start(connect_timeout=1.0)

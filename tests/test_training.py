@@ -1,0 +1,198 @@
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from fedemu.worker import models
+from fedemu.worker.training import (
+    TrainResult,
+    client_update,
+    evaluate,
+    local_gradient,
+    to_tensor_images,
+)
+
+
+def _random_data(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=count).astype(np.uint8)
+    return images, labels
+
+
+def _separable_data(count: int, seed: int = 0):
+    """Class c lights up image row band c: trivially separable."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, size=count).astype(np.uint8)
+    images = rng.integers(0, 40, size=(count, 28, 28), dtype=np.uint8)
+    for index, label in enumerate(labels):
+        images[index, 2 * label : 2 * label + 2, :] = 255
+    return images, labels
+
+
+def _reference_client_update(model, images, labels, epochs, batch_size, lr, generator):
+    """McMahan's ClientUpdate written out by hand: manual SGD, no optimizer."""
+    inputs = torch.from_numpy(images.astype(np.float32) / 255).reshape(-1, 1, 28, 28)
+    targets = torch.from_numpy(labels.astype(np.int64))
+    count = len(labels)
+    batch = batch_size or count
+    parameters = list(model.parameters())
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(count, generator=generator)
+        losses = []
+        for start in range(0, count, batch):
+            chosen = order[start : start + batch]
+            loss = F.cross_entropy(model(inputs[chosen]), targets[chosen])
+            gradients = torch.autograd.grad(loss, parameters)
+            with torch.no_grad():
+                for parameter, gradient in zip(parameters, gradients):
+                    parameter -= lr * gradient
+            losses.append(loss.item())
+    return models.get_flat(model), float(np.mean(losses))
+
+
+def test_to_tensor_images_scales_and_shapes():
+    images = np.array([[[0] * 28] * 28, [[255] * 28] * 28], dtype=np.uint8)
+    images[0, 3, 4] = 51
+    tensor = to_tensor_images(images)
+    assert tensor.dtype == torch.float32 and tensor.shape == (2, 1, 28, 28)
+    assert tensor[0, 0, 3, 4] == pytest.approx(0.2)
+    assert tensor[1].min() == 1.0 and tensor[0].max() == pytest.approx(0.2)
+    flat_rows = to_tensor_images(images.reshape(2, 784))
+    assert torch.equal(flat_rows, tensor)
+
+
+def test_to_tensor_images_from_read_only_memory_map(tmp_path):
+    images, _ = _random_data(5)
+    np.save(tmp_path / "images.npy", images)
+    mapped = np.load(tmp_path / "images.npy", mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor = to_tensor_images(mapped[[0, 3]])
+    assert torch.equal(tensor, to_tensor_images(images[[0, 3]]))
+
+
+@pytest.mark.parametrize("name", ["2nn", "cnn"])
+def test_client_update_equals_hand_written_reference(name):
+    # 23 samples in batches of 5: the last batch of each epoch is partial.
+    images, labels = _random_data(23)
+    model = models.build(name, seed=0)
+    reference = models.build(name, seed=0)
+
+    result = client_update(
+        model, images, labels, epochs=2, batch_size=5, lr=0.05,
+        generator=torch.Generator().manual_seed(42),
+    )
+    expected_weights, expected_loss = _reference_client_update(
+        reference, images, labels, epochs=2, batch_size=5, lr=0.05,
+        generator=torch.Generator().manual_seed(42),
+    )
+
+    assert isinstance(result, TrainResult)
+    assert result.weights.dtype == np.float32
+    np.testing.assert_allclose(result.weights, expected_weights, rtol=0, atol=1e-6)
+    assert result.train_loss == pytest.approx(expected_loss, rel=1e-6)
+    assert result.num_samples == 23
+    assert result.steps == 2 * math.ceil(23 / 5)
+    # The model itself was trained in place.
+    np.testing.assert_array_equal(models.get_flat(model), result.weights)
+
+
+@pytest.mark.parametrize("batch_size", [None, 0, 1000])
+def test_infinite_batch_takes_one_step_per_epoch(batch_size):
+    images, labels = _random_data(30)
+    model = models.build("2nn", seed=0)
+    reference = models.build("2nn", seed=0)
+
+    result = client_update(
+        model, images, labels, epochs=3, batch_size=batch_size, lr=0.1,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    assert result.steps == 3
+    # Full-batch gradient descent, which is what B = infinity means.
+    inputs = torch.from_numpy(images.astype(np.float32) / 255).reshape(-1, 1, 28, 28)
+    targets = torch.from_numpy(labels.astype(np.int64))
+    for _ in range(3):
+        loss = F.cross_entropy(reference(inputs), targets)
+        gradients = torch.autograd.grad(loss, list(reference.parameters()))
+        with torch.no_grad():
+            for parameter, gradient in zip(reference.parameters(), gradients):
+                parameter -= 0.1 * gradient
+    np.testing.assert_allclose(result.weights, models.get_flat(reference), rtol=0, atol=1e-6)
+
+
+def test_loss_decreases_on_a_separable_problem():
+    images, labels = _separable_data(200)
+    model = models.build("2nn", seed=3)
+    accuracy_before, loss_before = evaluate(model, images, labels)
+
+    result = client_update(
+        model, images, labels, epochs=5, batch_size=10, lr=0.1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    accuracy_after, loss_after = evaluate(model, images, labels)
+
+    assert result.train_loss < loss_before / 4
+    assert loss_after < loss_before / 4
+    assert accuracy_before < 0.5 and accuracy_after == 1.0
+
+
+def test_same_generator_seed_same_weights_other_seed_different():
+    images, labels = _random_data(40)
+
+    def train(seed):
+        return client_update(
+            models.build("cnn", seed=0), images, labels, epochs=1, batch_size=10, lr=0.1,
+            generator=torch.Generator().manual_seed(seed),
+        ).weights
+
+    np.testing.assert_array_equal(train(5), train(5))
+    assert not np.array_equal(train(5), train(6))
+
+
+def test_client_update_rejects_empty_or_mismatched_data():
+    model = models.build("2nn", seed=0)
+    images, labels = _random_data(4)
+    generator = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="at least one sample"):
+        client_update(model, images[:0], labels[:0], epochs=1, batch_size=2, lr=0.1, generator=generator)
+    with pytest.raises(ValueError, match="3 images but 4 labels"):
+        client_update(model, images[:3], labels, epochs=1, batch_size=2, lr=0.1, generator=generator)
+
+
+def test_local_gradient_equals_full_batch_autograd():
+    # 2,345 samples: more than one internal chunk, and a partial last one.
+    images, labels = _random_data(2345)
+    model = models.build("2nn", seed=4)
+
+    gradient, loss = local_gradient(model, images, labels)
+
+    inputs = torch.from_numpy(images.astype(np.float32) / 255).reshape(-1, 1, 28, 28)
+    expected_loss = F.cross_entropy(model(inputs), torch.from_numpy(labels.astype(np.int64)))
+    expected = torch.cat(
+        [g.reshape(-1) for g in torch.autograd.grad(expected_loss, list(model.parameters()))]
+    ).numpy()
+    assert gradient.dtype == np.float32 and gradient.shape == (199_210,)
+    np.testing.assert_allclose(gradient, expected, rtol=1e-4, atol=1e-7)
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-6)
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_evaluate_matches_direct_computation_and_restores_mode():
+    images, labels = _random_data(53)
+    model = models.build("cnn", seed=2)
+    model.train()
+
+    accuracy, loss = evaluate(model, images, labels, batch_size=7)
+
+    with torch.no_grad():
+        logits = model(torch.from_numpy(images.astype(np.float32) / 255).reshape(-1, 1, 28, 28))
+    targets = torch.from_numpy(labels.astype(np.int64))
+    assert accuracy == pytest.approx((logits.argmax(1) == targets).float().mean().item())
+    assert loss == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5)
+    assert model.training
