@@ -1,0 +1,165 @@
+"""`fedemu launch` end to end: real broker, server and worker processes on real MNIST."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedemu.server.runlog import read_events
+
+pytestmark = [pytest.mark.mnist, pytest.mark.slow]
+
+MODEL_BYTES = 199_210 * 4  # one 2NN as float32, the bulk of every model message
+
+
+def launch(run_dir: Path, *sets: str, workers: int = 2, **popen) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", str(workers),
+            "--set", "run.target_accuracy=0", "--set", "run.heartbeat_interval_s=0.2"]
+    for item in sets:
+        argv += ["--set", item]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Pids of live processes whose command line names this run directory."""
+    out = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def wait_for_round(run_dir: Path, round_: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(e["event"] == "round" and e["round"] >= round_ for e in read_events(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"round {round_} never finished"
+        time.sleep(0.2)
+
+
+def node_pid(run_dir: Path, name: str) -> int:
+    role, _, index = name.partition("-")
+    pattern = f"node {role} " + (f"--index {index} " if index else "") + f".*--run-dir {run_dir}"
+    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, f"expected one {name} process, found {out}"
+    return int(out[0])
+
+
+def test_short_run_trains_and_writes_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=5")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert "round    5/5" in output  # live progress was shown
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["rounds"] == 5
+    # Five FedAvg rounds of 10 IID clients: about 0.90 on MNIST (measured 0.896).
+    assert summary["final_accuracy"] >= 0.85
+    for key in ("final_accuracy", "rounds", "wall_s", "bytes_up", "bytes_down", "status"):
+        assert key in summary
+
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    assert config["algorithm"]["C"] == 0.1 and config["run"]["rounds"] == 5
+
+    events = read_events(run_dir)
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [e["round"] for e in rounds] == [1, 2, 3, 4, 5]
+    for e in events:
+        assert isinstance(e["t"], float)
+    for e in rounds:
+        assert {"accuracy", "loss", "participants", "bytes_up", "bytes_down"} <= set(e)
+        assert e["participants"] == 10
+        # Ten models went up and ten came down through the broker, plus small envelopes.
+        assert 10 * MODEL_BYTES <= e["bytes_up"] <= 10 * (MODEL_BYTES + 4096)
+        assert 10 * MODEL_BYTES <= e["bytes_down"] <= 10 * (MODEL_BYTES + 4096)
+        assert len(e["selected"]) == 10 and e["answered"] == e["selected"]
+    assert sum(e["bytes_up"] for e in rounds) == summary["bytes_up"]
+    assert rounds[-1]["accuracy"] > rounds[0]["accuracy"]
+
+    for name in ("broker", "server", "worker-0", "worker-1"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
+    assert processes_of(run_dir) == []
+
+
+def test_same_seed_same_model(tmp_path):
+    """A deterministic synchronous run: the same seed gives the same accuracies."""
+    results = []
+    for name in ("a", "b"):
+        # One torch thread in both: thread count, not placement, changes float sums.
+        proc = launch(tmp_path / name, "run.rounds=2", "run.torch_threads=1", workers=2 if name == "a" else 1)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        results.append([(e["accuracy"], e["loss"], e["selected"]) for e in read_events(tmp_path / name)
+                        if e["event"] == "round"])
+    # Different worker counts, same clients, same seeds: placement must not change the model.
+    assert results[0] == results[1]
+
+
+def test_ctrl_c_stops_every_process_and_keeps_the_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=1000", start_new_session=True)
+    wait_for_round(run_dir, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted", output
+    events = read_events(run_dir)
+    assert events[-1]["event"] == "end"
+    assert summary["rounds"] == max(e["round"] for e in events if e["event"] == "round")
+    assert processes_of(run_dir) == []
+
+
+def test_killed_worker_node_is_seen_as_down_and_the_run_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=8", "run.heartbeat_timeout_s=2.0")
+    wait_for_round(run_dir, 2, proc)
+    os.kill(node_pid(run_dir, "worker-1"), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+
+    events = read_events(run_dir)
+    faults = [e for e in events if e["event"] == "fault"]
+    # worker-1 hosted clients 50..99 (contiguous placement over two nodes).
+    assert sorted(e["client"] for e in faults) == list(range(50, 100))
+    assert {e["reason"] for e in faults} == {"noconnection"}
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 8
+    late = [e for e in rounds if e["round"] > max(f["round"] for f in faults)]
+    assert late, "no round ran after the fault"
+    for e in late:  # only clients of the surviving node are selected, and all answer
+        assert all(k < 50 for k in e["selected"]) and e["participants"] == 10
+    assert json.loads((run_dir / "summary.json").read_text())["faults"] == 50
+    assert processes_of(run_dir) == []
+
+
+def test_a_silent_worker_makes_stragglers_not_a_hang(tmp_path):
+    """A stopped (not dead) node answers nothing: rounds close at their deadline."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=4", "run.heartbeat_timeout_s=60", "algorithm.deadline_s=2.0")
+    wait_for_round(run_dir, 1, proc)
+    worker = node_pid(run_dir, "worker-1")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        wait_for_round(run_dir, 3, proc)
+    finally:
+        os.kill(worker, signal.SIGCONT)  # its late replies must then be ignored as stale
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    rounds = [e for e in read_events(run_dir) if e["event"] == "round"]
+    assert len(rounds) == 4
+    stalled = [e for e in rounds[1:] if e["stragglers"]]
+    assert stalled, "no round recorded stragglers"
+    for e in stalled:
+        assert all(k >= 50 for k in e["stragglers"])  # the stopped node's clients
+        assert e["participants"] == len(e["selected"]) - len(e["stragglers"])
+        assert e["aggregated"] == (e["participants"] >= 1)
+        assert 2.0 <= e["round_s"] < 10
+    time.sleep(1)
+    assert processes_of(run_dir) == []
