@@ -207,8 +207,11 @@ def _array_from_frame(arrays: list, used: list, index: Any, dtype_str: Any, shap
     if len(buf) != expected:
         raise WireError(f"array frame has {len(buf)} bytes, shape {shape} of {dtype} needs {expected}")
     used[index] = True
-    # Zero-copy: the array is a read-only view that keeps the frame alive.
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    # Zero-copy: a view that keeps the frame alive. Read-only whatever the buffer, so
+    # a receiver never writes into memory a sender may still own.
+    array = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    array.flags.writeable = False
+    return array
 
 
 def encode(kind: int, src: Pid, dst: Pid | str, payload: Any) -> list:

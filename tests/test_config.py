@@ -1,0 +1,71 @@
+import tomllib
+
+import pytest
+
+from fedemu.launch import config
+from fedemu.launch.config import ConfigError
+
+
+def test_default_is_the_papers_setting():
+    c = config.load(None)
+    assert (c["data"]["dataset"], c["data"]["partition"], c["data"]["clients"]) == ("mnist", "iid", 100)
+    assert (c["model"]["name"], c["algorithm"]["name"]) == ("2nn", "fedavg")
+    assert (c["algorithm"]["C"], c["algorithm"]["E"], c["algorithm"]["B"]) == (0.1, 1, 10)
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[algorithm]\nE = 5\n[model]\nname = "cnn"\n')
+    c = config.load(path, ["algorithm.C=0.2", "model.name=2nn", "run.out=elsewhere"])
+    assert c["algorithm"]["E"] == 5 and c["algorithm"]["C"] == 0.2
+    assert c["model"]["name"] == "2nn"  # a bare word works without TOML quotes
+    assert c["run"]["out"] == "elsewhere"
+
+
+def test_integer_for_a_float_key_is_accepted():
+    assert config.load(None, ["algorithm.lr=1"])["algorithm"]["lr"] == 1.0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.X=1", "unknown key algorithm.X; [algorithm] has name, C, E, B"),
+    ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm"),
+    ("model.name=resnet", "model.name = 'resnet' is not allowed; choose one of '2nn', 'cnn'"),
+    ("algorithm.C=0", "algorithm.C = 0.0 is out of range; it must be in (0, 1]"),
+    ("algorithm.E=one", "algorithm.E = 'one' must be an integer"),
+    ("algorithm.E=true", "algorithm.E = True must be an integer"),
+    ("run.rounds=-3", "run.rounds = -3 is out of range; it must be > 0"),
+    ("algorithm.lr=nan", "algorithm.lr = nan must be finite"),
+    ("algorithm.quorum=11", "algorithm.quorum = 11 exceeds the m = max(C*K, 1) = 10 clients"),
+    ("algorithmC=1", "must look like section.key=value"),
+])
+def test_bad_values_name_the_key_and_what_it_accepts(override, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert message in str(err.value)
+
+
+def test_bad_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nseed = 1")
+    with pytest.raises(ConfigError, match=f"{bad} is not valid TOML"):
+        config.load(bad)
+    bad.write_text("[network]\nlatency_ms = 5")
+    with pytest.raises(ConfigError, match=r"unknown section \[network\]"):
+        config.load(bad)
+
+
+def test_resolved_config_round_trips_through_toml():
+    c = config.load(None, ['run.out=a "quoted" path', "algorithm.lr=0.05"])
+    assert tomllib.loads(config.to_toml(c)) == c
+
+
+def test_m_is_floor_of_C_times_K_at_least_one():
+    from fedemu.server.strategies import selected_per_round
+
+    assert selected_per_round(0.1, 100) == 10
+    assert selected_per_round(0.0001, 100) == 1
+    assert selected_per_round(0.15, 10) == 1
+    assert selected_per_round(0.3, 10) == 3  # 0.3 * 10 is 2.9999999999999996 in floats
+    assert selected_per_round(1.0, 7) == 7

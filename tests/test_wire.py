@@ -1,0 +1,75 @@
+import msgpack
+import numpy as np
+import pytest
+
+from fedemu.node import Down, Pid, WireError, wire
+from fedemu.worker.protocol import TrainRequest
+
+SRC, DST = Pid("a", 1), Pid("b", 2)
+
+
+def roundtrip(payload, **kw):
+    frames = [bytes(f) for f in wire.encode(wire.USER, SRC, DST, payload)]
+    return frames, wire.decode(frames, **kw)
+
+
+def test_message_classes_pids_and_arrays_round_trip():
+    weights = np.arange(12, dtype=np.float32).reshape(3, 4)
+    body = {"req": TrainRequest(round=3, task="train", weights=weights, epochs=1, batch_size=10, lr=0.1, seed=7),
+            "down": Down(5, Pid("n", 9), "normal"), "pids": (SRC, DST), "n": np.int64(4)}
+    frames, (header, got) = roundtrip(body)
+    assert header == wire.Header(wire.USER, SRC, "b", 2)
+    assert got["req"].round == 3 and np.array_equal(got["req"].weights, weights)
+    assert got["down"] == Down(5, Pid("n", 9), "normal")
+    assert got["pids"] == [SRC, DST] and isinstance(got["pids"][0], Pid)
+    assert got["n"] == 4
+    # The array travelled as its own raw frame, not inside the msgpack body.
+    assert len(frames) == 3 and len(frames[2]) == weights.nbytes and len(frames[1]) < 200
+
+
+def test_arrays_are_not_copied_on_either_side():
+    weights = np.ones(1000, np.float32)
+    frames = wire.encode(wire.USER, SRC, DST, weights)
+    assert np.shares_memory(np.frombuffer(frames[2], np.float32), weights)
+    _, got = wire.decode(frames)
+    assert np.shares_memory(got, np.frombuffer(frames[2], np.float32))
+    assert not got.flags.writeable  # a view of the frame: copy before changing it
+
+
+def test_names_as_destinations():
+    frames = wire.encode(wire.USER, SRC, "client/17", "hi")
+    assert wire.decode(frames)[0].dst == "client/17"
+
+
+def test_objects_that_cannot_travel_are_refused_at_the_sender():
+    with pytest.raises(TypeError, match="object"):
+        wire.encode(wire.USER, SRC, DST, np.array([object()]))
+    with pytest.raises(TypeError, match="cannot send an object of type function"):
+        wire.encode(wire.USER, SRC, DST, lambda: 0)
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"x"], "a message needs a header and a body"),
+    ([b"\x01", b""], "header is not a 6-element array"),
+    ([msgpack.packb([1, 7, "a", 1, "b", 2]), msgpack.packb(0)], "unknown message kind 7"),
+    ([wire.pack_header(0, SRC, DST), b"\xc1"], "body is not valid msgpack"),
+    ([wire.pack_header(0, SRC, DST), msgpack.packb(msgpack.ExtType(3, msgpack.packb(["Evil", {}])))],
+     "unknown message type 'Evil'"),
+    ([wire.pack_header(0, SRC, DST), msgpack.packb(msgpack.ExtType(3, msgpack.packb(["Down", {"x": 1}])))],
+     "bad fields for Down"),
+    ([wire.pack_header(0, SRC, DST), msgpack.packb(msgpack.ExtType(2, msgpack.packb([0, "<f4", [4]]))), b"123"],
+     "array frame has 3 bytes, shape [4] of float32 needs 16"),
+    ([wire.pack_header(0, SRC, DST), msgpack.packb(msgpack.ExtType(2, msgpack.packb([0, "|O", [1]]))), b"12345678"],
+     "not allowed on the wire"),
+    ([wire.pack_header(0, SRC, DST), msgpack.packb(None), b"stray"], "array frames not referenced"),
+])
+def test_malformed_messages_name_the_problem(frames, reason):
+    with pytest.raises(WireError) as err:
+        wire.decode(frames)
+    assert reason in str(err.value)
+
+
+def test_size_limit():
+    frames = wire.encode(wire.USER, SRC, DST, np.zeros(1000, np.uint8))
+    with pytest.raises(WireError, match="exceeds the limit of 500"):
+        wire.decode(frames, max_bytes=500)
