@@ -79,8 +79,13 @@ class LocalRun:
     def follow(self) -> dict:
         """Print progress until the server node exits; returns the summary."""
         server = self.procs["server"]
+        reported: set[str] = set()
         while server.poll() is None:
             self._print_new_events()
+            for name, proc in self.procs.items():
+                if name != "server" and name not in reported and proc.poll() not in (None, 0):
+                    reported.add(name)  # the server sees its clients DOWN; the user sees why
+                    self.echo(f"warning: {name} exited with code {proc.returncode}: {self._tail(name)}")
             time.sleep(0.25)
         self._print_new_events()
         return self.summary()

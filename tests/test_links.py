@@ -1,0 +1,168 @@
+"""The link model alone: exact arithmetic, distributions, and reproducible decisions."""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from fedemu.node.links import (
+    DOWN, UP, LinkConfigError, LinkProfile, Network, jitter_sample, parse_bandwidth, uniform,
+)
+
+
+def net(**profile) -> Network:
+    return Network(seed=7, default=LinkProfile(**profile))
+
+
+def test_bandwidth_units():
+    assert parse_bandwidth("10Mbit") == 10e6 / 8
+    assert parse_bandwidth("1.5 MB/s") == 1.5e6
+    assert parse_bandwidth("100kbit") == 100e3 / 8
+    assert parse_bandwidth("1MiB") == 1024**2
+    assert parse_bandwidth(2500) == 2500.0
+    assert parse_bandwidth("unlimited") == math.inf
+    for bad in ("fast", "10 parsecs", 0, -5, True):
+        with pytest.raises(LinkConfigError, match="bandwidth"):
+            parse_bandwidth(bad)
+
+
+def test_serialization_then_latency_on_a_fifo():
+    n = net(latency_ms=10, bandwidth=1000, overhead_bytes=100)
+    # 900 + 100 bytes at 1000 B/s: 1 s on the link, then 10 ms of flight.
+    first = n.transmit(0, UP, 900, now=0.0)
+    assert first.arrival == pytest.approx(1.010)
+    # Sent at t=0.5 while the link is busy until 1.0: starts at 1.0.
+    second = n.transmit(0, UP, 400, now=0.5)
+    assert second.arrival == pytest.approx(1.0 + 0.5 + 0.010)
+    assert second.transfer_s == pytest.approx(second.arrival - 0.5)
+    # An idle link starts at once.
+    third = n.transmit(0, UP, 900, now=5.0)
+    assert third.arrival == pytest.approx(6.010)
+
+
+def test_links_are_per_client_and_per_direction():
+    n = net(bandwidth=1000)
+    assert n.transmit(0, UP, 1000, 0.0).arrival == pytest.approx(1.0)
+    assert n.transmit(1, UP, 1000, 0.0).arrival == pytest.approx(1.0)  # another client: no sharing
+    assert n.transmit(0, DOWN, 1000, 0.0).arrival == pytest.approx(1.0)  # the other direction
+
+
+def test_shared_server_uplink_serializes_a_broadcast():
+    n = Network(seed=1, default=LinkProfile(bandwidth=1000), server_up_bandwidth=10_000)
+    # 10 downloads of 1000 B leave the server's 10 kB/s uplink one after another (0.1 s
+    # each), then each crosses its own 1 kB/s downlink (1 s).
+    arrivals = [n.transmit(k, DOWN, 1000, 0.0).arrival for k in range(10)]
+    assert arrivals == pytest.approx([0.1 * (k + 1) + 1.0 for k in range(10)])
+
+
+def test_asymmetric_profiles():
+    n = Network(seed=1)
+    n.set_profile(3, UP, LinkProfile(bandwidth=100))
+    n.set_profile(3, DOWN, LinkProfile(bandwidth=1000))
+    assert n.transmit(3, UP, 100, 0.0).arrival == pytest.approx(1.0)
+    assert n.transmit(3, DOWN, 100, 0.0).arrival == pytest.approx(0.1)
+
+
+def test_jitter_keeps_fifo_unless_reorder():
+    def arrivals(reorder: bool) -> list[float]:
+        n = net(latency_ms=50, jitter_ms=40, reorder=reorder)
+        return [n.transmit(0, UP, 10, now=i * 0.001).arrival for i in range(500)]
+
+    fifo = arrivals(False)
+    assert fifo == sorted(fifo)
+    reordered = arrivals(True)
+    assert reordered != sorted(reordered)  # with 40 ms jitter every 1 ms, order breaks
+
+
+@pytest.mark.parametrize("dist", ["uniform", "normal", "pareto", "paretonormal"])
+def test_jitter_distributions_have_the_set_spread(dist):
+    profile = LinkProfile(jitter_ms=10, jitter_distribution=dist)
+    samples = [jitter_sample(profile, lambda i, c=c: uniform(1, 0, 0, i, c)) for c in range(20_000)]
+    mean, sd = statistics.fmean(samples), statistics.pstdev(samples)
+    expected_sd = 10 / math.sqrt(3) if dist == "uniform" else (
+        10 * math.sqrt(0.25**2 + 0.75**2) if dist == "paretonormal" else 10)
+    assert abs(mean) < 0.5
+    # Pareto's heavy tail converges slowly: a looser bound for the sample deviation.
+    assert sd == pytest.approx(expected_sd, rel=0.05 if dist in ("uniform", "normal") else 0.2)
+    if dist == "uniform":
+        assert max(map(abs, samples)) <= 10
+
+
+def test_delay_is_never_negative():
+    n = net(latency_ms=1, jitter_ms=50, jitter_distribution="normal", reorder=True)
+    for i in range(2000):
+        v = n.transmit(0, UP, 1, now=float(i))
+        assert v.arrival >= i
+
+
+def binomial_interval(n: int, p: float, z: float = 4.0) -> tuple[float, float]:
+    """n*p -/+ z standard deviations: a 4-sigma band fails by chance 6e-5 of the time."""
+    sd = math.sqrt(n * p * (1 - p))
+    return n * p - z * sd, n * p + z * sd
+
+
+@pytest.mark.parametrize("loss", [0.01, 0.1, 0.3])
+def test_loss_rate_within_a_binomial_interval(loss):
+    n, count = net(loss=loss), 20_000
+    lost = sum(n.transmit(k % 50, UP, 100, 0.0).dropped == "loss" for k in range(count))
+    low, high = binomial_interval(count, loss)
+    assert low <= lost <= high
+
+
+def test_gilbert_elliott_losses_come_in_bursts():
+    # Stationary P(bad) = p / (p + r) = 0.05/0.3; all losses happen in the bad state.
+    n, count = net(ge_p=0.05, ge_r=0.25, ge_loss_bad=1.0), 40_000
+    lost = [n.transmit(0, UP, 10, 0.0).dropped == "loss" for _ in range(count)]
+    rate = sum(lost) / count
+    assert rate == pytest.approx(0.05 / 0.30, rel=0.1)
+    bursts = sum(1 for a, b in zip(lost, lost[1:]) if b and not a)
+    mean_burst = sum(lost) / bursts
+    assert mean_burst == pytest.approx(1 / 0.25, rel=0.15)  # bursts last 1/r messages
+    bernoulli = net(loss=rate)
+    independent = [bernoulli.transmit(0, UP, 10, 0.0).dropped == "loss" for _ in range(count)]
+    assert sum(independent) / max(1, sum(1 for a, b in zip(independent, independent[1:]) if b and not a)) < 1.5
+
+
+def test_queue_limit_tail_drops_and_counts():
+    n = net(bandwidth=1000, queue_messages=3)
+    verdicts = [n.transmit(0, UP, 1000, 0.0) for _ in range(5)]
+    assert [v.dropped for v in verdicts] == [None, None, None, "queue", "queue"]
+    assert n.transmit(0, UP, 1000, 1.5).dropped is None  # the first left the queue at t=1
+    b = net(bandwidth=1000, queue_bytes=2500)
+    assert [b.transmit(0, UP, 1000, 0.0).dropped for _ in range(3)] == [None, None, "queue"]
+
+
+def test_offline_client_traffic_is_dropped():
+    n = net(latency_ms=5)
+    n.offline.add(4)
+    assert n.transmit(4, UP, 10, 0.0).dropped == "offline"
+    assert n.transmit(4, DOWN, 10, 0.0).dropped == "offline"
+    assert n.transmit(5, UP, 10, 0.0).dropped is None
+
+
+def test_same_seed_same_decisions_whatever_the_interleaving():
+    def decisions(order):
+        n = Network(seed=42, default=LinkProfile(latency_ms=20, jitter_ms=10, loss=0.2))
+        out = {}
+        for link, i in order:
+            v = n.transmit(link, UP, 100, now=float(i))
+            out[(link, i)] = (v.dropped, v.arrival)
+        return out
+
+    by_link = [(link, i) for link in range(5) for i in range(200)]
+    interleaved = [(link, i) for i in range(200) for link in range(5)]
+    assert decisions(by_link) == decisions(interleaved)
+    other_seed = Network(seed=43, default=LinkProfile(latency_ms=20, jitter_ms=10, loss=0.2))
+    assert [other_seed.transmit(0, UP, 100, float(i)).dropped for i in range(200)] != \
+        [decisions(by_link)[(0, i)][0] for i in range(200)]
+
+
+def test_profile_validation_names_the_key():
+    with pytest.raises(LinkConfigError, match=r"lte\.loss = 1.5 must be a probability in \[0, 1\]"):
+        LinkProfile.from_dict({"loss": 1.5}, "lte")
+    with pytest.raises(LinkConfigError, match=r"unknown key lte\.latency; link keys are"):
+        LinkProfile.from_dict({"latency": 5}, "lte")
+    with pytest.raises(LinkConfigError, match="jitter_distribution"):
+        LinkProfile.from_dict({"jitter_distribution": "gamma"}, "lte")
+    assert LinkProfile.from_dict({"bandwidth": "8Mbit", "latency_ms": 60}).bandwidth == 1e6
