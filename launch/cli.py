@@ -89,14 +89,16 @@ def data_list(cache_dir: str | None) -> None:
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True)
 @click.option("--max-message-bytes", type=int, default=256 * 1024 * 1024, show_default=True)
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--network", "network_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="JSON {num_clients, seed, network: <the config's [network] section>} to emulate.")
 def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-           max_message_bytes: int, log_dir: Path | None) -> None:
+           max_message_bytes: int, log_dir: Path | None, network_file: Path | None) -> None:
     """Run the message broker that every node connects to."""
     from .nodes import run_broker, setup_logging
 
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
     try:
-        run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes)
+        run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -57,6 +57,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "heartbeat_interval_s": Key(float, "node heartbeat period", check=_positive, rule="> 0"),
         "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=_positive, rule="> 0"),
         "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=_positive, rule="> 0"),
+        "time_scale": Key(float, "run emulated delays (links, stragglers, deadlines) this many times faster", check=_positive, rule="> 0"),
     },
     "data": {
         "dataset": Key(str, "data set", choices=("mnist", "fashion-mnist")),
@@ -79,6 +80,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quorum": Key(int, "minimum updates to aggregate a round", check=_positive, rule="> 0"),
     },
 }
+
+# [network] is nested (profiles, assignments, drop-outs, stragglers): the link model in
+# fedemu.node.links and fedemu.worker.stragglers validate it, naming each key.
+NESTED_SECTIONS = ("network",)
 
 DEFAULT_CONFIG_FILE = "default.toml"
 
@@ -109,10 +114,13 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[s
 
 def _merge(config: dict, user: dict, source: str) -> None:
     for section, values in user.items():
-        if section not in SCHEMA:
-            raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(SCHEMA)}")
+        if section not in SCHEMA and section not in NESTED_SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(_sections())}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table")
+        if section in NESTED_SECTIONS:
+            config[section] = values
+            continue
         for key, value in values.items():
             _key(section, key)
             config[section][key] = value
@@ -125,17 +133,30 @@ def apply_override(config: dict, item: str) -> None:
     section, dot, key = target.strip().partition(".")
     if not sep or not dot:
         raise ConfigError(f"override {item!r} must look like section.key=value")
-    _key(section, key)
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    if section in NESTED_SECTIONS:  # network.dropout.per_round=0.1: make the tables on the way
+        table = config.setdefault(section, {})
+        *path, last = key.split(".")
+        for part in path:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"override {item!r}: {section}.{part} is not a table")
+        table[last] = value
+        return
+    _key(section, key)
     config[section][key] = value
+
+
+def _sections() -> list[str]:
+    return [*SCHEMA, *NESTED_SECTIONS]
 
 
 def _key(section: str, key: str) -> Key:
     if section not in SCHEMA:
-        raise ConfigError(f"unknown section {section!r}; sections are {', '.join(SCHEMA)}")
+        raise ConfigError(f"unknown section {section!r}; sections are {', '.join(_sections())}")
     spec = SCHEMA[section].get(key)
     if spec is None:
         raise ConfigError(f"unknown key {section}.{key}; [{section}] has {', '.join(SCHEMA[section])}")
@@ -160,6 +181,7 @@ def validate(config: dict) -> None:
                 raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, spec.choices))}")
             if spec.check is not None and not spec.check(value):
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
+    network_parts(config)
     algo, data = config["algorithm"], config["data"]
     m = selected_per_round(algo["C"], data["clients"])
     if algo["quorum"] > m:
@@ -167,6 +189,31 @@ def validate(config: dict) -> None:
             f"algorithm.quorum = {algo['quorum']} exceeds the m = max(C*K, 1) = {m} clients "
             f"selected per round (C = {algo['C']}, K = {data['clients']}): no round could aggregate"
         )
+
+
+def network_parts(config: dict):
+    """(NetworkSpec for the broker, StragglerSpec for the workers) of a config; a bad
+    value raises ConfigError naming the key."""
+    from fedemu.node.links import LinkConfigError, NetworkSpec
+    from fedemu.worker.stragglers import StragglerSpec
+
+    section = dict(config.get("network", {}))
+    stragglers = section.pop("stragglers", {})
+    K, seed = config["data"]["clients"], config["run"]["seed"]
+    try:
+        if not isinstance(stragglers, dict):
+            raise LinkConfigError("network.stragglers must be a table")
+        return (NetworkSpec.from_config(section, K, seed, config["run"]["time_scale"]),
+                StragglerSpec.from_config(stragglers, K, seed))
+    except LinkConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def broker_network_file(config: dict) -> dict:
+    """What `fedemu broker --network FILE` reads: the link part of [network]."""
+    section = {k: v for k, v in config.get("network", {}).items() if k != "stragglers"}
+    return {"num_clients": config["data"]["clients"], "seed": config["run"]["seed"],
+            "time_scale": config["run"]["time_scale"], "network": section}
 
 
 def _type_name(t: type | tuple) -> str:
@@ -177,14 +224,39 @@ def _type_name(t: type | tuple) -> str:
 
 
 def to_toml(config: dict[str, dict[str, Any]]) -> str:
-    """Write the resolved config back (flat sections of scalars, as SCHEMA allows)."""
+    """Write the resolved config back as TOML (tables, arrays of tables, scalars)."""
     lines: list[str] = []
+
+    def table(path: str, values: dict) -> None:
+        scalars = {k: v for k, v in values.items() if not _is_table(v) and not _is_table_array(v)}
+        if scalars or not values:
+            lines.append(f"[{path}]")
+            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
+            lines.append("")
+        for k, v in values.items():
+            if _is_table(v):
+                table(f"{path}.{_toml_key(k)}", v)
+            elif _is_table_array(v):
+                for item in v:
+                    lines.append(f"[[{path}.{_toml_key(k)}]]")
+                    lines.extend(f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items())
+                    lines.append("")
+
     for section, values in config.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+        table(_toml_key(section), values)
     return "\n".join(lines)
+
+
+def _is_table(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def _is_table_array(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
 
 
 def _toml_value(value: Any) -> str:
@@ -196,5 +268,7 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table inside an array
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 

@@ -60,9 +60,12 @@ class LocalRun:
     def start(self) -> None:
         run = self.config["run"]
         endpoint_file = self.run_dir / "broker.endpoint"
+        network_file = self.run_dir / "network.json"
+        network_file.write_text(json.dumps(configuration.broker_network_file(self.config), indent=1))
         broker = self._start("broker", "broker", "--bind", "tcp://127.0.0.1:0", "--endpoint-file", str(endpoint_file),
                              "--heartbeat-interval", str(run["heartbeat_interval_s"]),
-                             "--heartbeat-timeout", str(run["heartbeat_timeout_s"]))
+                             "--heartbeat-timeout", str(run["heartbeat_timeout_s"]),
+                             "--network", str(network_file))
         deadline = time.monotonic() + 30
         while not endpoint_file.exists():
             if broker.poll() is not None:

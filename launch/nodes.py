@@ -6,6 +6,7 @@ reads the resolved ``config.toml`` from the run directory and logs to
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -15,7 +16,10 @@ import time
 import tomllib
 from pathlib import Path
 
+import numpy as np
+
 from fedemu.node import Broker, Node
+from fedemu.node.links import NetworkSpec
 
 log = logging.getLogger("fedemu.launch")
 
@@ -37,9 +41,13 @@ def setup_logging(run_dir: Path | None, name: str, verbose: bool = False) -> Non
 
 
 def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-               max_message_bytes: int) -> None:
+               max_message_bytes: int, network_file: Path | None = None) -> None:
+    network = None
+    if network_file is not None:
+        spec = json.loads(network_file.read_text())
+        network = NetworkSpec.from_config(spec["network"], spec["num_clients"], spec["seed"], spec["time_scale"])
     broker = Broker(bind, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                    max_message_bytes=max_message_bytes)
+                    max_message_bytes=max_message_bytes, network=network)
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")
         tmp.write_text(broker.endpoint + "\n")
@@ -83,9 +91,12 @@ def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
         clients=config["data"]["clients"], C=algo["C"], epochs=algo["E"], batch_size=algo["B"],
         rounds=run["rounds"], seed=run["seed"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
         eval_every=run["eval_every"], target_accuracy=run["target_accuracy"], workers=workers,
-        startup_timeout_s=run["startup_timeout_s"],
+        startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"],
     )
     strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"])
+    from fedemu.worker.client import warm_up
+
+    warm_up(dataset, np.arange(10), config["model"]["name"])  # round 1's evaluation is not a cold start
     runlog = RunLog(run_dir)
     engine = RoundEngine(settings, strategy, config["model"]["name"], dataset, runlog)
     node = _node("server", broker, config)
@@ -111,10 +122,12 @@ def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int:
+    from fedemu.launch.config import network_parts
     from fedemu.worker import data, partition
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)
+    _, stragglers = network_parts(config)
     data_cfg = config["data"]
     _set_torch_threads(config, workers)
     dataset = data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None)
@@ -126,6 +139,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int
         # when its node is closed (broker lost, shutdown).
         signal.signal(sig, lambda *_: threading.Thread(target=node.close, args=("signal",), daemon=True).start())
     host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
-                 config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"])
+                 config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"],
+                 stragglers=stragglers, time_scale=config["run"]["time_scale"])
     node.wait()
     return 0

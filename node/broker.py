@@ -15,6 +15,8 @@ reason and dropped; the broker keeps serving everyone else.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from typing import Any
 import zmq
 
 from . import wire
+from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
 from .wire import CTL, USER, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
@@ -33,10 +36,17 @@ BROKER_PID = Pid(BROKER_NODE, 0)
 
 @dataclass
 class LinkCounters:
+    """Per client link. Bytes and messages count what entered the link (sent), lost
+    ones included; ``*_lost`` counts what never arrived (loss, queue, offline)."""
+
     up_bytes: int = 0
     up_msgs: int = 0
     down_bytes: int = 0
     down_msgs: int = 0
+    up_lost: int = 0
+    down_lost: int = 0
+    up_transfer_s: float = 0.0  # emulated seconds from entry to arrival, summed
+    down_transfer_s: float = 0.0
 
 
 @dataclass
@@ -53,13 +63,16 @@ class BrokerStats:
     dropped: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        up_bytes = sum(c.up_bytes for c in self.links.values())
-        down_bytes = sum(c.down_bytes for c in self.links.values())
+        links = self.links.values()
         return {
-            "bytes_up": up_bytes,
-            "bytes_down": down_bytes,
-            "msgs_up": sum(c.up_msgs for c in self.links.values()),
-            "msgs_down": sum(c.down_msgs for c in self.links.values()),
+            "bytes_up": sum(c.up_bytes for c in links),
+            "bytes_down": sum(c.down_bytes for c in links),
+            "msgs_up": sum(c.up_msgs for c in links),
+            "msgs_down": sum(c.down_msgs for c in links),
+            "lost_up": sum(c.up_lost for c in links),
+            "lost_down": sum(c.down_lost for c in links),
+            "transfer_s_up": round(sum(c.up_transfer_s for c in links), 6),
+            "transfer_s_down": round(sum(c.down_transfer_s for c in links), 6),
             "bytes_other": self.other_bytes,
             "msgs_other": self.other_msgs,
             "dropped": dict(self.dropped),
@@ -74,6 +87,7 @@ class Broker:
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 5.0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        network: NetworkSpec | None = None,
     ) -> None:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -91,6 +105,18 @@ class Broker:
         self._link_of: dict[tuple[str, int], int] = {}
         self.stats = BrokerStats()
         self._running = False
+        self.spec = network
+        self.network = network.build() if network is not None else Network()
+        self.time_scale = network.time_scale if network is not None else 1.0
+        self._emulating = not self.network.ideal
+        self._t0 = time.monotonic()
+        # Messages the network holds back: (wall delivery time, seq, link, direction, identity, frames)
+        self._pending: list = []
+        self._seq = itertools.count()
+
+    def emulated_now(self) -> float:
+        """Emulated seconds since the broker started (wall seconds x time_scale)."""
+        return (time.monotonic() - self._t0) * self.time_scale
 
     def _bind(self, bind: str) -> str:
         if not bind.startswith("tcp://") and not bind.startswith("ipc://"):
@@ -111,12 +137,15 @@ class Broker:
         log.info("broker listening on %s", self.endpoint)
         try:
             while self._running:
-                timeout_ms = max(0.0, next_check - time.monotonic()) * 1000
-                if poller.poll(timeout_ms):
+                wake = min(next_check, self._pending[0][0]) if self._pending else next_check
+                if poller.poll(max(0.0, wake - time.monotonic()) * 1000):
                     self._drain()
                 now = time.monotonic()
+                if self._pending and self._pending[0][0] <= now:
+                    self._deliver_due(now)
                 if now >= next_check:
                     self._check_nodes(now)
+                    self._scripted_events(round_=None)
                     next_check = now + self.heartbeat_interval
         finally:
             self._sock.close(linger=0)
@@ -184,26 +213,72 @@ class Broker:
                     self._send_ctl(sender.identity, header.src, {"op": "node_down", "node": dst.node})
             return
         if header.kind == USER:
-            self._account(header.src, dst, size)
-        try:
-            self._sock.send_multipart([target.identity, *msg], copy=False)
-        except zmq.ZMQError as exc:  # the peer vanished between heartbeats
-            self._drop("unreachable", f"node {dst.node!r}: {exc}")
+            crossing = self._account(header.src, dst, size)
+            if crossing is not None and self._emulating:
+                self._emulate(crossing, size, target.identity, msg)
+                return
+        self._send(target.identity, msg, dst.node)
 
-    def _account(self, src: Pid, dst: Pid, size: int) -> None:
+    def _send(self, identity: bytes, msg: list, node: str) -> None:
+        try:
+            self._sock.send_multipart([identity, *msg], copy=False)
+        except zmq.ZMQError as exc:  # the peer vanished between heartbeats
+            self._drop("unreachable", f"node {node!r}: {exc}")
+
+    def _account(self, src: Pid, dst: Pid, size: int) -> tuple[int, int] | None:
+        """Count a message on the client link it crosses; returns (link, direction).
+
+        A message from a link owner goes up its link; one to a link owner comes down
+        its link (client-to-client traffic is counted on both, emulated on the uplink).
+        """
         src_link = self._link_of.get(src)
         dst_link = self._link_of.get(dst)
-        if src_link is not None:
-            c = self._counters(src_link)
-            c.up_bytes += size
-            c.up_msgs += 1
         if dst_link is not None:
             c = self._counters(dst_link)
             c.down_bytes += size
             c.down_msgs += 1
-        if src_link is None and dst_link is None:
-            self.stats.other_bytes += size
-            self.stats.other_msgs += 1
+        if src_link is not None:
+            c = self._counters(src_link)
+            c.up_bytes += size
+            c.up_msgs += 1
+            return src_link, UP
+        if dst_link is not None:
+            return dst_link, DOWN
+        self.stats.other_bytes += size
+        self.stats.other_msgs += 1
+        return None
+
+    def _emulate(self, crossing: tuple[int, int], size: int, identity: bytes, msg: list) -> None:
+        link, direction = crossing
+        verdict = self.network.transmit(link, direction, size, self.emulated_now())
+        if verdict.dropped is not None:
+            self._lost(link, direction, verdict.dropped)
+            return
+        c = self._counters(link)
+        if direction == UP:
+            c.up_transfer_s += verdict.transfer_s
+        else:
+            c.down_transfer_s += verdict.transfer_s
+        due = self._t0 + verdict.arrival / self.time_scale
+        heapq.heappush(self._pending, (due, next(self._seq), link, direction, identity, msg))
+
+    def _deliver_due(self, now: float) -> None:
+        emulated = (now - self._t0) * self.time_scale
+        while self._pending and self._pending[0][0] <= now:
+            _, _, link, direction, identity, msg = heapq.heappop(self._pending)
+            if self.network.is_offline(link, emulated):  # went offline while in flight
+                self._lost(link, direction, "offline")
+                continue
+            self._send(identity, msg, identity.decode(errors="replace"))
+
+    def _lost(self, link: int, direction: int, reason: str) -> None:
+        c = self._counters(link)
+        if direction == UP:
+            c.up_lost += 1
+        else:
+            c.down_lost += 1
+        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
+        log.debug("link %d %s: message dropped (%s)", link, "up" if direction == UP else "down", reason)
 
     def _counters(self, link: int) -> LinkCounters:
         c = self.stats.links.get(link)
@@ -248,9 +323,20 @@ class Broker:
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": self._names.get(name)})
         elif op == "stats":
             value = self.stats.as_dict()
+            value["emulated_s"] = round(self.emulated_now(), 6)
+            if self._emulating:
+                now = self.emulated_now()
+                value["offline"] = sorted(k for k in set(self._link_of.values()) if self.network.is_offline(k, now))
             if body.get("per_link"):
                 value["links"] = {k: vars(c) for k, c in self.stats.links.items()}
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": value})
+        elif op == "round":
+            # The server's round clock: per-round drop-outs and round-scripted events.
+            self.network.round = int(body["round"])
+            self._scripted_events(round_=self.network.round)
+        elif op == "set_links":
+            error = self._set_links(body)
+            self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
         elif op == "shutdown":
             log.info("shutdown requested by %s", src)
             for info in self._nodes.values():
@@ -278,6 +364,44 @@ class Broker:
             self._names[name] = pid
             if isinstance(link, int):
                 self._link_of[pid] = link
+
+    # --- changing the network while it runs ----------------------------------------------
+
+    def _set_links(self, body: dict) -> str | None:
+        """Give a group of clients a named profile, or force them offline/online.
+        Returns None, or the error that names what was wrong (nothing is changed)."""
+        try:
+            if self.spec is None:
+                raise LinkConfigError("this broker runs without a network spec")
+            clients = parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
+            profile = body.get("profile")
+            if profile is not None and profile not in self.spec.profiles:
+                raise LinkConfigError(f"profile {profile!r} is unknown; profiles are {', '.join(self.spec.profiles)}")
+        except LinkConfigError as exc:
+            return str(exc)
+        if profile is not None:
+            self.spec.apply(self.network, profile, clients)
+            log.info("clients %s now on profile %s", _ids_text(clients), profile)
+        if body.get("offline") is True:
+            self.network.offline |= clients
+        elif body.get("offline") is False:
+            self.network.offline -= clients
+        self._emulating = not self.network.ideal
+        return None
+
+    def _scripted_events(self, round_: int | None) -> None:
+        if self.spec is None:
+            return
+        now = self.emulated_now()
+        for event in self.spec.events:
+            due = (event.at_round is not None and round_ is not None and round_ >= event.at_round) or \
+                  (event.at_s is not None and now >= event.at_s)
+            if due and not event.done:
+                event.done = True
+                self.spec.apply(self.network, event.profile, event.clients)
+                self._emulating = not self.network.ideal
+                log.info("scripted event: clients %s now on profile %s (round %s, t=%.3fs)",
+                         _ids_text(event.clients), event.profile, round_, now)
 
     # --- liveness -------------------------------------------------------------------
 
@@ -318,3 +442,10 @@ class Broker:
         if count <= 20 or count % 1000 == 0:
             log.warning("dropped message (%s, #%d): %s", reason, count, detail)
 
+
+
+def _ids_text(ids) -> str:
+    if ids is None:
+        return "all"
+    ids = sorted(ids)
+    return f"{ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else str(ids)

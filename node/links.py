@@ -28,7 +28,7 @@ import hashlib
 import math
 import re
 import struct
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 UP, DOWN = 0, 1
@@ -216,7 +216,9 @@ class Network:
         self.default = {UP: default, DOWN: default}
         self.profiles: dict[tuple[int, int], LinkProfile] = {}
         self.states: dict[tuple[int, int], LinkState] = {}
-        self.offline: set[int] = set()
+        self.offline: set[int] = set()  # forced offline (the API), besides availability
+        self.availability: Availability | None = None
+        self.round = 0  # the round the server announced last (for per-round drop-outs)
         # The server's side: downloads leave through its uplink, uploads enter its downlink.
         self.server_links = {
             DOWN: Bottleneck(server_up_bandwidth) if math.isfinite(server_up_bandwidth) else None,
@@ -232,9 +234,15 @@ class Network:
     @property
     def ideal(self) -> bool:
         """True when no message could be delayed or dropped: the broker skips the model."""
-        return (not self.offline and all(p.ideal for p in self.default.values())
+        return (not self.offline and self.availability is None
+                and all(p.ideal for p in self.default.values())
                 and all(p.ideal for p in self.profiles.values())
                 and all(b is None for b in self.server_links.values()))
+
+    def is_offline(self, link: int, now: float) -> bool:
+        if link in self.offline:
+            return True
+        return self.availability is not None and self.availability.offline(link, now, self.round)
 
     def transmit(self, link: int, direction: int, size: int, now: float) -> Verdict:
         """Admit a message of ``size`` bytes entering ``link`` at emulated time ``now``."""
@@ -245,7 +253,7 @@ class Network:
             state = self.states[key] = LinkState()
         counter = state.counter
         state.counter += 1
-        if link in self.offline:
+        if self.is_offline(link, now):
             return Verdict(None, "offline")
 
         def draw(stream: int, i: int = 0) -> float:
@@ -289,16 +297,252 @@ class Network:
             return draw(_STREAM_LOSS) < p
         return profile.loss > 0 and draw(_STREAM_LOSS) < profile.loss
 
-    def clear_link(self, link: int) -> None:
-        """Forget what is queued on a client's links (it went offline)."""
-        for direction in (UP, DOWN):
-            state = self.states.get((link, direction))
-            if state is not None:
-                state.in_flight.clear()
-                state.queued_bytes = 0
+
+# --- availability: when clients are offline ---------------------------------------------
+
+_STREAM_ROUND_DROPOUT, _STREAM_ON_OFF = 11, 12
 
 
-def with_overrides(profile: LinkProfile, **changes: Any) -> LinkProfile:
-    updated = replace(profile, **changes)
-    updated.validate()
-    return updated
+def parse_ids(spec: Any, where: str = "clients", limit: int | None = None) -> frozenset[int]:
+    """Client ids from "0-49,60,70-79", a list of ints, or one int."""
+    if isinstance(spec, bool):
+        raise LinkConfigError(f"{where} = {spec!r}: give ids like '0-49,60'")
+    if isinstance(spec, int):
+        ids = {spec}
+    elif isinstance(spec, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
+        ids = set(spec)
+    elif isinstance(spec, str):
+        ids = set()
+        for part in spec.replace(" ", "").split(","):
+            match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if not match:
+                raise LinkConfigError(f"{where} = {spec!r}: {part!r} is not an id or a range like 0-49")
+            low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+            if high < low:
+                raise LinkConfigError(f"{where} = {spec!r}: range {part} runs backwards")
+            ids.update(range(low, high + 1))
+    else:
+        raise LinkConfigError(f"{where} = {spec!r}: give ids like '0-49,60' or a list of integers")
+    if limit is not None and ids and (min(ids) < 0 or max(ids) >= limit):
+        raise LinkConfigError(f"{where} = {spec!r}: ids must be in 0..{limit - 1}")
+    return frozenset(ids)
+
+
+@dataclass
+class Availability:
+    """When each client is offline; every decision seeded by (seed, client, round or
+    step), so reruns agree. A client is offline when any of the rules says so."""
+
+    seed: int
+    per_round: float = 0.0  # Bernoulli drop-out, drawn anew each round
+    per_round_clients: frozenset[int] | None = None  # None: every client
+    windows: list[tuple[frozenset[int] | None, float, float]] = field(default_factory=list)
+    leave: list[tuple[frozenset[int] | None, float]] = field(default_factory=list)  # gone for good from t
+    on_off: tuple[frozenset[int] | None, float, float] | None = None  # (clients, mean up s, mean down s)
+    _switches: dict[int, list[float]] = field(default_factory=dict)
+
+    def offline(self, link: int, now: float, round_: int) -> bool:
+        def covers(group: frozenset[int] | None) -> bool:
+            return group is None or link in group
+
+        if self.per_round > 0 and round_ > 0 and covers(self.per_round_clients):
+            if uniform(self.seed, link, 0, _STREAM_ROUND_DROPOUT, round_) < self.per_round:
+                return True
+        for group, start, end in self.windows:
+            if start <= now < end and covers(group):
+                return True
+        for group, at in self.leave:
+            if now >= at and covers(group):
+                return True
+        if self.on_off is not None and covers(self.on_off[0]):
+            return self._on_off_offline(link, now)
+        return False
+
+    def _on_off_offline(self, link: int, now: float) -> bool:
+        """Alternating exponential up and down periods, starting up; switch times are
+        drawn lazily, in order, from the client's own counter."""
+        _, mean_up, mean_down = self.on_off
+        switches = self._switches.setdefault(link, [])
+        while not switches or switches[-1] <= now:
+            i = len(switches)
+            mean = mean_up if i % 2 == 0 else mean_down
+            u = uniform(self.seed, link, 0, _STREAM_ON_OFF, i)
+            switches.append((switches[-1] if switches else 0.0) - mean * math.log(1.0 - u))
+        # Before switches[0] the client is up; after an odd number of switches, down.
+        passed = sum(1 for t in switches if t <= now)
+        return passed % 2 == 1
+
+
+# --- the network section of a run's config --------------------------------------------------
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Round figures for typical access links; see the README for where they come from.
+    "ideal": {},
+    "lan": {"latency_ms": 0.5, "bandwidth": "1Gbit"},
+    "wifi": {"latency_ms": 5, "jitter_ms": 2, "bandwidth": "50Mbit"},
+    "lte": {"latency_ms": 35, "jitter_ms": 10, "up": {"bandwidth": "10Mbit"}, "down": {"bandwidth": "30Mbit"}},
+    "3g": {"latency_ms": 150, "jitter_ms": 40, "up": {"bandwidth": "750kbit"}, "down": {"bandwidth": "1.6Mbit"}},
+}
+
+NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
+                "profiles", "assign", "events", "dropout")
+
+
+def profile_pair(name: str, values: dict, where: str) -> tuple[LinkProfile, LinkProfile]:
+    """(up, down) from a profile table: shared keys, then optional `up`/`down` tables."""
+    if not isinstance(values, dict):
+        raise LinkConfigError(f"{where} must be a table of link keys")
+    shared = {k: v for k, v in values.items() if k not in ("up", "down")}
+    pair = []
+    for direction in ("up", "down"):
+        extra = values.get(direction, {})
+        if not isinstance(extra, dict):
+            raise LinkConfigError(f"{where}.{direction} must be a table of link keys")
+        pair.append(LinkProfile.from_dict({**shared, **extra}, f"{where}.{direction}" if extra else where))
+    return pair[0], pair[1]
+
+
+@dataclass
+class ScriptedEvent:
+    """At round r or emulated time t, give ``clients`` the named profile."""
+
+    profile: str
+    clients: frozenset[int] | None
+    at_round: int | None = None
+    at_s: float | None = None
+    done: bool = False
+
+
+@dataclass
+class NetworkSpec:
+    """A validated network section: what the broker needs to emulate every link."""
+
+    num_clients: int
+    seed: int = 0
+    time_scale: float = 1.0
+    default_profile: str = "ideal"
+    server_up_bandwidth: float = math.inf
+    server_down_bandwidth: float = math.inf
+    profiles: dict[str, tuple[LinkProfile, LinkProfile]] = field(default_factory=dict)
+    assign: list[tuple[str, frozenset[int]]] = field(default_factory=list)
+    events: list[ScriptedEvent] = field(default_factory=list)
+    availability: Availability | None = None
+    raw: dict = field(default_factory=dict)  # the section as given, to hand to the broker
+
+    @classmethod
+    def from_config(cls, section: dict, num_clients: int, run_seed: int, time_scale: float = 1.0) -> NetworkSpec:
+        unknown = set(section) - set(NETWORK_KEYS)
+        if unknown:
+            raise LinkConfigError(f"unknown key network.{sorted(unknown)[0]}; [network] has {', '.join(NETWORK_KEYS)}")
+        seed = section.get("seed", run_seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise LinkConfigError(f"network.seed = {seed!r} must be an integer")
+        if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not time_scale > 0:
+            raise LinkConfigError(f"run.time_scale = {time_scale!r} must be a number > 0")
+        profiles = {name: profile_pair(name, values, f"network.profiles.{name}") for name, values in PRESETS.items()}
+        user_profiles = section.get("profiles", {})
+        if not isinstance(user_profiles, dict):
+            raise LinkConfigError("network.profiles must be a table of named profiles")
+        for name, values in user_profiles.items():
+            profiles[name] = profile_pair(name, values, f"network.profiles.{name}")
+
+        def known(name: Any, where: str) -> str:
+            if name not in profiles:
+                raise LinkConfigError(f"{where} = {name!r} is not a profile; profiles are {', '.join(profiles)}")
+            return name
+
+        default = known(section.get("default_profile", "ideal"), "network.default_profile")
+        assign = []
+        for i, entry in enumerate(section.get("assign", [])):
+            where = f"network.assign[{i}]"
+            if not isinstance(entry, dict) or set(entry) - {"profile", "clients", "fraction"}:
+                raise LinkConfigError(f"{where} must have profile and clients (ids) or fraction")
+            name = known(entry.get("profile"), f"{where}.profile")
+            assign.append((name, _group(entry, where, num_clients, seed, i, required=True)))
+        events = []
+        for i, entry in enumerate(section.get("events", [])):
+            where = f"network.events[{i}]"
+            if not isinstance(entry, dict) or set(entry) - {"profile", "clients", "fraction", "at_round", "at_s"}:
+                raise LinkConfigError(f"{where} has keys profile, clients or fraction, at_round or at_s")
+            if ("at_round" in entry) == ("at_s" in entry):
+                raise LinkConfigError(f"{where} needs exactly one of at_round and at_s")
+            events.append(ScriptedEvent(known(entry.get("profile"), f"{where}.profile"),
+                                        _group(entry, where, num_clients, seed, 100 + i),
+                                        entry.get("at_round"), entry.get("at_s")))
+        return cls(
+            num_clients=num_clients, seed=seed, time_scale=float(time_scale), default_profile=default,
+            server_up_bandwidth=parse_bandwidth(section.get("server_up_bandwidth", "unlimited"), "network.server_up_bandwidth"),
+            server_down_bandwidth=parse_bandwidth(section.get("server_down_bandwidth", "unlimited"), "network.server_down_bandwidth"),
+            profiles=profiles, assign=assign, events=events,
+            availability=_availability(section.get("dropout", {}), num_clients, seed), raw=section,
+        )
+
+    def build(self) -> Network:
+        up, down = self.profiles[self.default_profile]
+        network = Network(self.seed, server_up_bandwidth=self.server_up_bandwidth,
+                          server_down_bandwidth=self.server_down_bandwidth)
+        network.default = {UP: up, DOWN: down}
+        for name, clients in self.assign:
+            self.apply(network, name, clients)
+        network.availability = self.availability
+        return network
+
+    def apply(self, network: Network, profile: str, clients: frozenset[int] | None) -> None:
+        up, down = self.profiles[profile]
+        for k in (range(self.num_clients) if clients is None else clients):
+            network.set_profile(k, UP, up)
+            network.set_profile(k, DOWN, down)
+
+
+def _group(entry: dict, where: str, num_clients: int, seed: int, salt: int, required: bool = False):
+    if "clients" in entry and "fraction" in entry:
+        raise LinkConfigError(f"{where}: give clients or fraction, not both")
+    if "clients" in entry:
+        return parse_ids(entry["clients"], f"{where}.clients", num_clients)
+    if "fraction" in entry:
+        fraction = entry["fraction"]
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise LinkConfigError(f"{where}.fraction = {fraction!r} must be in [0, 1]")
+        # A seeded choice of round(fraction * K) clients: the same group on every rerun.
+        order = sorted(range(num_clients), key=lambda k: uniform(seed, k, 0, 20 + salt, 0))
+        return frozenset(order[: round(fraction * num_clients)])
+    if required:
+        raise LinkConfigError(f"{where} needs clients (e.g. '0-49') or fraction")
+    return None
+
+
+def _availability(section: Any, num_clients: int, seed: int) -> Availability | None:
+    if not isinstance(section, dict):
+        raise LinkConfigError("network.dropout must be a table")
+    allowed = {"per_round", "clients", "windows", "leave", "on_off"}
+    if set(section) - allowed:
+        raise LinkConfigError(f"unknown key network.dropout.{sorted(set(section) - allowed)[0]}; "
+                              f"[network.dropout] has {', '.join(sorted(allowed))}")
+    if not section:
+        return None
+    per_round = section.get("per_round", 0.0)
+    if isinstance(per_round, bool) or not isinstance(per_round, (int, float)) or not 0 <= per_round <= 1:
+        raise LinkConfigError(f"network.dropout.per_round = {per_round!r} must be a probability in [0, 1]")
+    avail = Availability(seed=seed, per_round=float(per_round),
+                         per_round_clients=_group(section, "network.dropout", num_clients, seed, 50))
+    for i, w in enumerate(section.get("windows", [])):
+        where = f"network.dropout.windows[{i}]"
+        start, end = (w.get("start_s"), w.get("end_s")) if isinstance(w, dict) else (None, None)
+        if not isinstance(start, (int, float)) or not isinstance(end, (int, float)) or not 0 <= start < end:
+            raise LinkConfigError(f"{where} needs 0 <= start_s < end_s (emulated seconds)")
+        avail.windows.append((_group(w, where, num_clients, seed, 60 + i), float(start), float(end)))
+    for i, entry in enumerate(section.get("leave", [])):
+        where = f"network.dropout.leave[{i}]"
+        at = entry.get("at_s") if isinstance(entry, dict) else None
+        if not isinstance(at, (int, float)) or at < 0:
+            raise LinkConfigError(f"{where} needs at_s >= 0 (emulated seconds)")
+        avail.leave.append((_group(entry, where, num_clients, seed, 70 + i), float(at)))
+    if "on_off" in section:
+        entry = section["on_off"]
+        where = "network.dropout.on_off"
+        up, down = (entry.get("mean_up_s"), entry.get("mean_down_s")) if isinstance(entry, dict) else (None, None)
+        if not all(isinstance(x, (int, float)) and x > 0 for x in (up, down)):
+            raise LinkConfigError(f"{where} needs mean_up_s > 0 and mean_down_s > 0 (emulated seconds)")
+        avail.on_off = (_group(entry, where, num_clients, seed, 80), float(up), float(down))
+    return avail
+

@@ -120,6 +120,16 @@ class Process:
     def spawn(self, fn: Callable, *args: Any, name: str | None = None) -> Pid:
         return self.node.spawn(fn, *args, name=name)
 
+    def send_after(self, delay: float, dst: Pid | str, body: Any) -> None:
+        """Send ``body`` after ``delay`` wall seconds, without blocking this process
+        (Erlang's send_after): how a client emulates a slower device."""
+        if delay <= 0:
+            self.send(dst, body)
+            return
+        timer = threading.Timer(delay, self.node._send, args=(USER, self.pid, dst, body))
+        timer.daemon = True
+        timer.start()
+
     # --- runtime side ---------------------------------------------------------------
 
     def _deliver(self, msg: Message) -> None:
@@ -365,6 +375,20 @@ class Node:
     def broker_stats(self, per_link: bool = False, timeout: float = 5.0) -> dict:
         """The broker's traffic counters (bytes and messages per direction, drops)."""
         return self.call_broker({"op": "stats", "per_link": per_link}, timeout)
+
+    def announce_round(self, round_: int) -> None:
+        """Tell the broker's network which round starts (per-round drop-outs and
+        round-scripted link changes key on it). Nothing comes back."""
+        self._send_ctl(BROKER_PID, {"op": "round", "round": round_})
+
+    def set_links(self, clients: str | list[int], profile: str | None = None, offline: bool | None = None,
+                  timeout: float = 5.0) -> None:
+        """Change the emulated network now: give ``clients`` a named profile and/or
+        force them offline (True) or back online (False). Raises with the broker's
+        reason if the request is invalid."""
+        error = self.call_broker({"op": "set_links", "clients": clients, "profile": profile, "offline": offline}, timeout)
+        if error:
+            raise NodeError(f"set_links refused: {error}")
 
     def call_broker(self, body: dict, timeout: float) -> Any:
         ref = next(self._refs)

@@ -26,6 +26,11 @@ from .strategies import Strategy, selected_per_round
 log = logging.getLogger("fedemu.server")
 
 
+# Broker counters a round event reports as the difference over that round.
+TRAFFIC_KEYS = ("bytes_up", "bytes_down", "msgs_up", "msgs_down", "lost_up", "lost_down",
+                "transfer_s_up", "transfer_s_down")
+
+
 @message
 class Stop:
     """Asks the server to end the run now (Ctrl-C, or its node lost the broker)."""
@@ -48,6 +53,7 @@ class RoundSettings:
     target_accuracy: float = 0.0  # 0: run all rounds
     workers: int = 1
     startup_timeout_s: float = 120.0
+    time_scale: float = 1.0  # emulated seconds per wall second (deadline_s is emulated)
 
     @property
     def per_round(self) -> int:
@@ -125,7 +131,8 @@ class RoundEngine:
             raise _Stopped("failed", f"{len(missing)} clients were never hosted, e.g. {sorted(missing)[:5]}")
         self.live = set(self.pids)
         self.runlog.event("start", clients=len(self.pids), placement=ready_nodes,
-                          per_round=self.settings.per_round, algorithm=self.strategy.name)
+                          per_round=self.settings.per_round, algorithm=self.strategy.name,
+                          time_scale=self.settings.time_scale)
 
     def _rounds(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -138,6 +145,7 @@ class RoundEngine:
                 self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
                 return "failed", f"deadlock: {cause}"
             started = time.monotonic()
+            proc.node.announce_round(round_)
             m = min(s.per_round, len(self.live))
             selected = sorted(int(k) for k in rng.choice(sorted(self.live), size=m, replace=False))
             lr = self.strategy.learning_rate(round_)
@@ -145,7 +153,7 @@ class RoundEngine:
                                    epochs=s.epochs, batch_size=s.batch_size, lr=lr, seed=s.seed)
             for k in selected:
                 proc.send(self.pids[k], request)
-            replies, stragglers, dropped = self._collect(proc, round_, selected, started + s.deadline_s)
+            replies, stragglers, dropped = self._collect(proc, round_, selected, started + s.deadline_s / s.time_scale)
             aggregated = len(replies) >= s.quorum
             if aggregated:
                 self.weights = self.strategy.aggregate(self.weights, replies, round_)
@@ -153,7 +161,7 @@ class RoundEngine:
             if round_ % s.eval_every == 0 or round_ == s.rounds:
                 accuracy, loss = self._evaluate()
             after = proc.node.broker_stats()
-            traffic = {key: after[key] - before[key] for key in ("bytes_up", "bytes_down", "msgs_up", "msgs_down")}
+            traffic = {key: after[key] - before[key] for key in TRAFFIC_KEYS}
             before = after
             self._account(round_, accuracy, traffic["bytes_up"], traffic["bytes_down"])
             n = sum(r.num_samples for r in replies)
@@ -165,6 +173,8 @@ class RoundEngine:
                 stragglers=sorted(stragglers), dropped=sorted(dropped),
                 train_loss=(sum(r.train_loss * r.num_samples for r in replies) / n) if n else None,
                 compute_s_max=max((r.compute_s for r in replies), default=None),
+                slowdowns={r.client: round(r.slowdown, 3) for r in replies if r.slowdown != 1.0},
+                offline=after.get("offline", []), emulated_s=after["emulated_s"],
                 lr=lr, round_s=round(time.monotonic() - started, 4),
             )
             if accuracy is not None and s.target_accuracy and accuracy >= s.target_accuracy:

@@ -28,7 +28,14 @@ def test_integer_for_a_float_key_is_accepted():
 
 @pytest.mark.parametrize("override, message", [
     ("algorithm.X=1", "unknown key algorithm.X; [algorithm] has name, C, E, B"),
-    ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm"),
+    ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm, network"),
+    ("network.default_profile=5g", "network.default_profile = '5g' is not a profile; profiles are ideal, lan"),
+    ("network.profiles.x.loss=2", "network.profiles.x.loss = 2 must be a probability in [0, 1]"),
+    ("network.profiles.x.bandwidth=fast", "network.profiles.x.bandwidth = 'fast': use bytes/s or a number with a unit"),
+    ("network.dropout.per_round=1.5", "network.dropout.per_round = 1.5 must be a probability in [0, 1]"),
+    ("network.stragglers.distribution=gamma", "network.stragglers.distribution = 'gamma': choose one of none, fixed"),
+    ("network.latency=5", "unknown key network.latency; [network] has seed, default_profile"),
+    ("run.time_scale=0", "run.time_scale = 0.0 is out of range; it must be > 0"),
     ("model.name=resnet", "model.name = 'resnet' is not allowed; choose one of '2nn', 'cnn'"),
     ("algorithm.C=0", "algorithm.C = 0.0 is out of range; it must be in (0, 1]"),
     ("algorithm.E=one", "algorithm.E = 'one' must be an integer"),
@@ -51,13 +58,27 @@ def test_bad_file_is_named(tmp_path):
     bad.write_text("[run\nseed = 1")
     with pytest.raises(ConfigError, match=f"{bad} is not valid TOML"):
         config.load(bad)
-    bad.write_text("[network]\nlatency_ms = 5")
-    with pytest.raises(ConfigError, match=r"unknown section \[network\]"):
+    bad.write_text("[netwerk]\nlatency_ms = 5")
+    with pytest.raises(ConfigError, match=r"unknown section \[netwerk\]; sections are run, data, model, algorithm, network"):
         config.load(bad)
 
 
-def test_resolved_config_round_trips_through_toml():
-    c = config.load(None, ['run.out=a "quoted" path', "algorithm.lr=0.05"])
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    path = tmp_path / "net.toml"
+    path.write_text("""
+[network]
+default_profile = "lte"
+[network.profiles.sat]
+latency_ms = 300
+up = { bandwidth = "1Mbit" }
+[[network.assign]]
+profile = "sat"
+clients = "0-9"
+[network.dropout]
+per_round = 0.1
+windows = [{ clients = "20-29", start_s = 10, end_s = 20 }]
+""")
+    c = config.load(path, ['run.out=a "quoted" path', "algorithm.lr=0.05"])
     assert tomllib.loads(config.to_toml(c)) == c
 
 

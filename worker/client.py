@@ -17,6 +17,7 @@ from fedemu.node import Behaviour, BehaviourProcess, Message, Node
 from . import models, training
 from .data import Dataset
 from .protocol import GRADIENT, TRAIN, TrainReply, TrainRequest, WorkerReady, client_name
+from .stragglers import StragglerSpec
 
 log = logging.getLogger("fedemu.worker")
 
@@ -49,12 +50,15 @@ class _ModelCache(threading.local):
 
 
 class Client(Behaviour):
-    def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache):
+    def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache,
+                 stragglers: StragglerSpec = StragglerSpec(), time_scale: float = 1.0):
         self.client_id = client_id
         self.indices = indices
         self.dataset = dataset
         self.model_name = model_name
         self._cache = cache
+        self.stragglers = stragglers
+        self.time_scale = time_scale
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         request = msg.body
@@ -77,11 +81,26 @@ class Client(Behaviour):
             update, loss = training.local_gradient(model, images, labels)
         else:
             raise ValueError(f"unknown task {request.task!r}")
-        proc.send(msg.sender, TrainReply(
+        compute_s = time.perf_counter() - started
+        slowdown = self.stragglers.slowdown(self.client_id, request.round)
+        reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
-            num_samples=len(self.indices), train_loss=float(loss),
-            compute_s=time.perf_counter() - started,
-        ))
+            num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
+        )
+        # A slower device: hold the reply for the extra compute time it would have taken.
+        proc.send_after((slowdown - 1.0) * compute_s / self.time_scale, msg.sender, reply)
+
+
+def warm_up(dataset: Dataset, indices: np.ndarray, model_name: str) -> float:
+    """Pay torch's one-time start-up costs (seconds on the first step) before the
+    node reports ready, so they do not land inside round 1's deadline."""
+    started = time.perf_counter()
+    model = models.build(model_name)
+    sample = indices[:10]
+    training.client_update(model, dataset.train_images[sample], dataset.train_labels[sample],
+                           epochs=1, batch_size=10, lr=0.0, generator=torch.Generator().manual_seed(0))
+    training.evaluate(model, dataset.test_images[:10], dataset.test_labels[:10])
+    return time.perf_counter() - started
 
 
 def host_clients(
@@ -92,12 +111,16 @@ def host_clients(
     model_name: str,
     server: str = "server",
     startup_timeout: float = 120.0,
+    stragglers: StragglerSpec = StragglerSpec(),
+    time_scale: float = 1.0,
 ) -> None:
     """Spawn this node's clients, register their names, and report to the server."""
+    if len(clients):
+        log.info("warm-up took %.2fs", warm_up(dataset, shards[clients[0]], model_name))
     cache = _ModelCache()
     entries = []
     for k in clients:
-        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache))
+        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale))
         entries.append((client_name(k), pid, k))
     node.register_many(entries)
     deadline = time.monotonic() + startup_timeout

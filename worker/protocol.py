@@ -33,6 +33,7 @@ class TrainReply:
     num_samples: int  # n_k, the weight of this update
     train_loss: float
     compute_s: float  # measured local computation time
+    slowdown: float = 1.0  # straggler factor applied: the reply was held (f - 1) * compute_s
 
 
 @message
