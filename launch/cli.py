@@ -50,6 +50,8 @@ def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
     except configuration.ConfigError as exc:
         raise _config_error(exc) from None
     click.echo(configuration.to_toml(config))
+    for finding in configuration.findings(config):  # what is left is a risk the user accepted
+        click.echo(f"warning ({finding.rule}, accepted): {finding.message}")
     click.echo("ok: the config is valid")
 
 

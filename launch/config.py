@@ -13,7 +13,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from fedemu.server.strategies import selected_per_round
 
 
 class ConfigError(ValueError):
@@ -58,6 +57,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=_positive, rule="> 0"),
         "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=_positive, rule="> 0"),
         "time_scale": Key(float, "run emulated delays (links, stragglers, deadlines) this many times faster", check=_positive, rule="> 0"),
+        "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=_non_negative, rule=">= 0"),
+        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=_non_negative, rule=">= 0"),
+        "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=_positive, rule="> 0"),
     },
     "data": {
         "dataset": Key(str, "data set", choices=("mnist", "fashion-mnist")),
@@ -70,14 +72,26 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "name": Key(str, "model", choices=("2nn", "cnn")),
     },
     "algorithm": {
-        "name": Key(str, "federated algorithm", choices=("fedavg", "fedsgd")),
+        "name": Key(str, "federated algorithm", choices=("fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff")),
         "C": Key(float, "fraction of clients selected per round", check=_fraction, rule="in (0, 1]"),
         "E": Key(int, "local epochs", check=_positive, rule="> 0"),
         "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=_non_negative, rule=">= 0"),
         "lr": Key(float, "learning rate eta", check=_positive, rule="> 0"),
-        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * round)", check=_non_negative, rule=">= 0"),
-        "deadline_s": Key(float, "seconds a round waits for updates", check=_positive, rule="> 0"),
+        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=_non_negative, rule=">= 0"),
+        "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=_non_negative, rule=">= 0"),
         "quorum": Key(int, "minimum updates to aggregate a round", check=_positive, rule="> 0"),
+        "h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=_positive, rule="> 0"),
+        "b_l": Key(int, "CO-OP age filter lower bound", check=_non_negative, rule=">= 0"),
+        "b_u": Key(int, "CO-OP age filter upper bound", check=_non_negative, rule=">= 0"),
+        "accept_deadlock_risk": Key(bool, "run CO-OP even where Theorem A.1 says it can deadlock"),
+        "on_deadlock": Key(str, "what CO-OP does in a detected deadlock", choices=("stop", "recover")),
+        "alpha": Key(float, "FedAsync mixing weight", check=_fraction, rule="in (0, 1]"),
+        "staleness": Key(str, "FedAsync staleness function", choices=("constant", "polynomial", "hinge")),
+        "staleness_a": Key(float, "FedAsync staleness parameter a", check=_non_negative, rule=">= 0"),
+        "staleness_b": Key(float, "FedAsync hinge parameter b", check=_non_negative, rule=">= 0"),
+        "buffer_size": Key(int, "FedBuff: uploads per aggregation", check=_positive, rule="> 0"),
+        "server_lr": Key(float, "FedBuff server learning rate", check=_positive, rule="> 0"),
+        "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=_positive, rule="> 0"),
     },
 }
 
@@ -173,7 +187,8 @@ def validate(config: dict) -> None:
             name = f"{section}.{key}"
             if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
                 value = values[key] = float(value)
-            if isinstance(value, bool) or not isinstance(value, spec.type):
+            # bool is an int subclass in Python: only a bool key takes true/false.
+            if isinstance(value, bool) != (spec.type is bool) or not isinstance(value, spec.type):
                 raise ConfigError(f"{name} = {value!r} must be {_type_name(spec.type)}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} = {value!r} must be finite")
@@ -181,14 +196,18 @@ def validate(config: dict) -> None:
                 raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, spec.choices))}")
             if spec.check is not None and not spec.check(value):
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
-    network_parts(config)
-    algo, data = config["algorithm"], config["data"]
-    m = selected_per_round(algo["C"], data["clients"])
-    if algo["quorum"] > m:
-        raise ConfigError(
-            f"algorithm.quorum = {algo['quorum']} exceeds the m = max(C*K, 1) = {m} clients "
-            f"selected per round (C = {algo['C']}, K = {data['clients']}): no round could aggregate"
-        )
+    refused = [f.message for f in findings(config) if f.blocking
+               and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
+    if refused:
+        raise ConfigError("; ".join(refused))
+
+
+def findings(config: dict) -> list:
+    """The static deadlock and liveness findings for a config (server.checks)."""
+    from fedemu.server.checks import check
+
+    network, _ = network_parts(config)
+    return check(config["algorithm"], config["data"]["clients"], network.can_drop)
 
 
 def network_parts(config: dict):

@@ -79,26 +79,34 @@ def _set_torch_threads(config: dict, workers: int) -> None:
 def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import strategies
-    from fedemu.server.engine import RoundEngine, RoundSettings, Stop
+    from fedemu.server.async_engine import ASYNC_RULES, AsyncEngine, make_rule
+    from fedemu.server.engine import RoundEngine, Settings, Stop
     from fedemu.server.runlog import RunLog
     from fedemu.worker import data
+    from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
     run, algo = config["run"], config["algorithm"]
     _set_torch_threads(config, 1)
     dataset = data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None)
-    settings = RoundSettings(
-        clients=config["data"]["clients"], C=algo["C"], epochs=algo["E"], batch_size=algo["B"],
-        rounds=run["rounds"], seed=run["seed"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
-        eval_every=run["eval_every"], target_accuracy=run["target_accuracy"], workers=workers,
+    asynchronous = algo["name"] in ASYNC_RULES
+    settings = Settings(
+        clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
+        batch_size=algo["B"], C=algo["C"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
+        eval_every=algo["eval_every_uploads"] if asynchronous else run["eval_every"],
+        target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
+        max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"],
     )
-    strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"])
-    from fedemu.worker.client import warm_up
-
-    warm_up(dataset, np.arange(10), config["model"]["name"])  # round 1's evaluation is not a cold start
     runlog = RunLog(run_dir)
-    engine = RoundEngine(settings, strategy, config["model"]["name"], dataset, runlog)
+    model_name = config["model"]["name"]
+    if asynchronous:
+        engine = AsyncEngine(settings, make_rule(algo), model_name, dataset, runlog,
+                             lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
+    else:
+        strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"], algo["h"])
+        engine = RoundEngine(settings, strategy, model_name, dataset, runlog)
+    warm_up(dataset, np.arange(10), model_name)  # round 1's evaluation is not a cold start
     node = _node("server", broker, config)
     result: dict = {}
     pid = node.spawn(lambda proc: result.update(engine.run(proc)), name="server")

@@ -477,6 +477,14 @@ class NetworkSpec:
             availability=_availability(section.get("dropout", {}), num_clients, seed), raw=section,
         )
 
+    @property
+    def can_drop(self) -> bool:
+        """Whether this network can lose a message or take a client offline."""
+        used = {self.default_profile, *(name for name, _ in self.assign), *(e.profile for e in self.events)}
+        lossy = any(p.loss > 0 or p.ge_p > 0 or p.queue_messages or p.queue_bytes
+                    for name in used for p in self.profiles[name])
+        return lossy or self.availability is not None
+
     def build(self) -> Network:
         up, down = self.profiles[self.default_profile]
         network = Network(self.seed, server_up_bandwidth=self.server_up_bandwidth,

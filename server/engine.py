@@ -1,11 +1,17 @@
-"""The synchronous round engine: the server process of FedAvg and FedSGD.
+"""The server process: what every algorithm's engine shares, and the round engine.
 
-Per round: select m = max(C*K, 1) live clients with the run seed, send each the model,
-collect until every selected client answered, was lost (DOWN), or the deadline
-passed; aggregate what arrived if at least the quorum did, else keep the model; then
-evaluate and write one ``round`` event. A client that never answers cannot hang a
-round, and a run whose clients are all gone stops with a ``deadlock`` event that
-names the cause instead of waiting forever.
+:class:`Engine` finds the clients (worker nodes announce them), watches them (a DOWN
+is a lost client), evaluates, applies the budgets (rounds, uploads per client, wall
+time, target accuracy) and writes the run log. :class:`RoundEngine` runs synchronous
+rounds for FedAvg, FedSGD and FSVRG; ``async_engine.AsyncEngine`` runs CO-OP,
+FedAsync and FedBuff.
+
+A round selects m = max(C*K, 1) live clients with the run seed (FSVRG: every live
+client), and each of its phases sends them a request and collects until every selected
+client answered, was lost, or the deadline passed; what arrived is aggregated if at
+least the quorum did, else the model is kept. A client that never answers cannot hang
+a round, and a run whose live clients fall below the quorum stops with a ``deadlock``
+event that names the cause instead of waiting forever.
 """
 from __future__ import annotations
 
@@ -25,7 +31,6 @@ from .strategies import Strategy, selected_per_round
 
 log = logging.getLogger("fedemu.server")
 
-
 # Broker counters a round event reports as the difference over that round.
 TRAFFIC_KEYS = ("bytes_up", "bytes_down", "msgs_up", "msgs_down", "lost_up", "lost_down",
                 "transfer_s_up", "transfer_s_down")
@@ -40,20 +45,23 @@ class Stop:
 
 
 @dataclass
-class RoundSettings:
+class Settings:
     clients: int  # K
-    C: float
-    epochs: int
-    batch_size: int  # 0: the full local set
-    rounds: int
     seed: int
-    deadline_s: float
-    quorum: int
-    eval_every: int = 1
-    target_accuracy: float = 0.0  # 0: run all rounds
+    rounds: int  # round limit; for asynchronous rules, evaluation points
+    epochs: int = 1
+    batch_size: int = 10  # 0: the full local set
+    C: float = 0.1
+    deadline_s: float = 60.0  # emulated seconds; 0: no deadline (wait for every answer)
+    quorum: int = 1
+    eval_every: int = 1  # rounds; asynchronous rules: uploads per evaluation
+    target_accuracy: float = 0.0  # 0: no target
+    max_uploads_per_client: float = 0.0  # Nilsson's budget; 0: none
+    max_wall_s: float = 0.0  # 0: none
+    progress_timeout_s: float = 300.0  # the watchdog reports a run that long without aggregation
     workers: int = 1
     startup_timeout_s: float = 120.0
-    time_scale: float = 1.0  # emulated seconds per wall second (deadline_s is emulated)
+    time_scale: float = 1.0  # emulated seconds per wall second
 
     @property
     def per_round(self) -> int:
@@ -65,16 +73,18 @@ class _Totals:
     bytes_up: int = 0
     bytes_down: int = 0
     rounds: int = 0
+    uploads: int = 0
     accuracy: float | None = None
     best_accuracy: float | None = None
     reached_target_round: int | None = None
     faults: list = field(default_factory=list)
 
 
-class RoundEngine:
-    def __init__(self, settings: RoundSettings, strategy: Strategy, model_name: str, dataset: Dataset, runlog: RunLog):
+class Engine:
+    algorithm = ""
+
+    def __init__(self, settings: Settings, model_name: str, dataset: Dataset, runlog: RunLog):
         self.settings = settings
-        self.strategy = strategy
         self.model = models.build(model_name, seed=settings.seed)
         self.weights = models.get_flat(self.model)
         self.dataset = dataset
@@ -83,6 +93,8 @@ class RoundEngine:
         self.client_of: dict[Pid, int] = {}
         self.live: set[int] = set()
         self.totals = _Totals()
+        self._started = time.monotonic()
+        self._traffic: dict | None = None
 
     # --- the server process ---------------------------------------------------------
 
@@ -90,18 +102,20 @@ class RoundEngine:
         status, reason = "completed", ""
         try:
             self._await_workers(proc)
-            status, reason = self._rounds(proc)
+            self._traffic = proc.node.broker_stats()
+            status, reason = self.main(proc)
         except _Stopped as stop:
             status, reason = stop.status, stop.reason
         except Exception as exc:
             log.exception("server failed")
             status, reason = "failed", f"{type(exc).__name__}: {exc}"
-        self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds)
+        self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds, uploads=self.totals.uploads)
         return self.runlog.summary(
             status=status,
             reason=reason,
-            algorithm=self.strategy.name,
+            algorithm=self.algorithm,
             rounds=self.totals.rounds,
+            uploads=self.totals.uploads,
             final_accuracy=self.totals.accuracy,
             best_accuracy=self.totals.best_accuracy,
             target_accuracy=self.settings.target_accuracy or None,
@@ -110,6 +124,9 @@ class RoundEngine:
             bytes_down=self.totals.bytes_down,
             faults=len(self.totals.faults),
         )
+
+    def main(self, proc: ThreadProcess) -> tuple[str, str]:
+        raise NotImplementedError
 
     def _await_workers(self, proc: ThreadProcess) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
@@ -130,76 +147,9 @@ class RoundEngine:
         if missing:
             raise _Stopped("failed", f"{len(missing)} clients were never hosted, e.g. {sorted(missing)[:5]}")
         self.live = set(self.pids)
-        self.runlog.event("start", clients=len(self.pids), placement=ready_nodes,
-                          per_round=self.settings.per_round, algorithm=self.strategy.name,
-                          time_scale=self.settings.time_scale)
-
-    def _rounds(self, proc: ThreadProcess) -> tuple[str, str]:
-        s = self.settings
-        rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
-        before = proc.node.broker_stats()
-        for round_ in range(1, s.rounds + 1):
-            if len(self.live) < s.quorum:
-                cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
-                         "no round can aggregate again")
-                self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
-                return "failed", f"deadlock: {cause}"
-            started = time.monotonic()
-            proc.node.announce_round(round_)
-            m = min(s.per_round, len(self.live))
-            selected = sorted(int(k) for k in rng.choice(sorted(self.live), size=m, replace=False))
-            lr = self.strategy.learning_rate(round_)
-            request = TrainRequest(round=round_, task=self.strategy.task, weights=self.weights,
-                                   epochs=s.epochs, batch_size=s.batch_size, lr=lr, seed=s.seed)
-            for k in selected:
-                proc.send(self.pids[k], request)
-            replies, stragglers, dropped = self._collect(proc, round_, selected, started + s.deadline_s / s.time_scale)
-            aggregated = len(replies) >= s.quorum
-            if aggregated:
-                self.weights = self.strategy.aggregate(self.weights, replies, round_)
-            accuracy = loss = None
-            if round_ % s.eval_every == 0 or round_ == s.rounds:
-                accuracy, loss = self._evaluate()
-            after = proc.node.broker_stats()
-            traffic = {key: after[key] - before[key] for key in TRAFFIC_KEYS}
-            before = after
-            self._account(round_, accuracy, traffic["bytes_up"], traffic["bytes_down"])
-            n = sum(r.num_samples for r in replies)
-            self.runlog.event(
-                "round", round=round_, accuracy=accuracy, loss=loss,
-                participants=len(replies), aggregated=aggregated,
-                **traffic,
-                selected=selected, answered=sorted(r.client for r in replies),
-                stragglers=sorted(stragglers), dropped=sorted(dropped),
-                train_loss=(sum(r.train_loss * r.num_samples for r in replies) / n) if n else None,
-                compute_s_max=max((r.compute_s for r in replies), default=None),
-                slowdowns={r.client: round(r.slowdown, 3) for r in replies if r.slowdown != 1.0},
-                offline=after.get("offline", []), emulated_s=after["emulated_s"],
-                lr=lr, round_s=round(time.monotonic() - started, 4),
-            )
-            if accuracy is not None and s.target_accuracy and accuracy >= s.target_accuracy:
-                return "completed", f"reached target accuracy {s.target_accuracy} in round {round_}"
-        return "completed", f"ran {s.rounds} rounds"
-
-    def _collect(self, proc: ThreadProcess, round_: int, selected: list[int], deadline: float):
-        waiting = set(selected)
-        replies: list[TrainReply] = []
-        dropped: set[int] = set()
-        while waiting:
-            msg = self._receive(proc, (TrainReply, Down), deadline - time.monotonic())
-            if msg is TIMEOUT:
-                break
-            body = msg.body
-            if isinstance(body, Down):
-                k = self._client_down(body, round_)
-                if k in waiting:
-                    waiting.discard(k)
-                    dropped.add(k)
-            elif body.round == round_ and body.client in waiting:
-                waiting.discard(body.client)
-                replies.append(body)
-            # else: a straggler's reply from an earlier round; the round it was for has closed.
-        return replies, waiting, dropped
+        self._started = time.monotonic()
+        self.runlog.event("start", clients=len(self.pids), placement=ready_nodes, algorithm=self.algorithm,
+                          per_round=self.settings.per_round, time_scale=self.settings.time_scale)
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float):
         """Receive one of ``kinds``; a Stop message ends the run from any wait."""
@@ -210,7 +160,7 @@ class RoundEngine:
 
     def _client_down(self, down: Down, round_: int) -> int | None:
         k = self.client_of.get(down.pid)
-        if k is None:
+        if k is None or k not in self.live:
             return None
         self.live.discard(k)
         fault = self.runlog.event("fault", round=round_, client=k, pid=str(down.pid), reason=down.reason)
@@ -222,17 +172,140 @@ class RoundEngine:
         models.set_flat(self.model, self.weights)
         return training.evaluate(self.model, self.dataset.test_images, self.dataset.test_labels)
 
-    def _account(self, round_: int, accuracy: float | None, bytes_up: int, bytes_down: int) -> None:
+    def _traffic_since_last(self, proc: ThreadProcess) -> tuple[dict, dict]:
+        """(this period's broker counters, the broker's current view)."""
+        after = proc.node.broker_stats()
+        before, self._traffic = self._traffic, after
+        traffic = {key: after[key] - before[key] for key in TRAFFIC_KEYS}
+        self.totals.bytes_up += traffic["bytes_up"]
+        self.totals.bytes_down += traffic["bytes_down"]
+        return traffic, after
+
+    def _record(self, round_: int, accuracy: float | None) -> None:
         t = self.totals
         t.rounds = round_
-        t.bytes_up += bytes_up
-        t.bytes_down += bytes_down
         if accuracy is not None:
             t.accuracy = accuracy
             t.best_accuracy = accuracy if t.best_accuracy is None else max(t.best_accuracy, accuracy)
             target = self.settings.target_accuracy
             if target and accuracy >= target and t.reached_target_round is None:
                 t.reached_target_round = round_
+
+    def _finished(self, round_: int, accuracy: float | None) -> str | None:
+        """Why the run ends after this round/evaluation, or None to go on."""
+        s = self.settings
+        if accuracy is not None and s.target_accuracy and accuracy >= s.target_accuracy:
+            return f"reached target accuracy {s.target_accuracy} in round {round_}"
+        if s.max_uploads_per_client and self.totals.uploads >= s.max_uploads_per_client * s.clients:
+            return f"upload budget spent: {self.totals.uploads} uploads ({s.max_uploads_per_client:g} per client)"
+        if s.max_wall_s and time.monotonic() - self._started >= s.max_wall_s:
+            return f"wall-time budget of {s.max_wall_s:g}s spent"
+        if round_ >= s.rounds:
+            return f"ran {s.rounds} rounds"
+        return None
+
+
+class RoundEngine(Engine):
+    def __init__(self, settings: Settings, strategy: Strategy, model_name: str, dataset: Dataset, runlog: RunLog):
+        super().__init__(settings, model_name, dataset, runlog)
+        self.strategy = strategy
+        self.algorithm = strategy.name
+
+    def main(self, proc: ThreadProcess) -> tuple[str, str]:
+        s = self.settings
+        rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
+        for round_ in range(1, s.rounds + 1):
+            if len(self.live) < s.quorum:
+                cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
+                         "no round can aggregate again")
+                self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
+                return "failed", f"deadlock: {cause}"
+            started = time.monotonic()
+            proc.node.announce_round(round_)
+            candidates = sorted(self.live)
+            if self.strategy.selects_all:
+                selected = candidates
+            else:
+                m = min(s.per_round, len(candidates))
+                selected = sorted(int(k) for k in rng.choice(candidates, size=m, replace=False))
+            book = _RoundBook(selected)
+            new_weights = self.strategy.run_round(
+                lambda task, lr, **extra: self._phase(proc, round_, book, task, lr, **extra), self.weights, round_)
+            if new_weights is not None:
+                self.weights = new_weights
+            accuracy = loss = None
+            if round_ % s.eval_every == 0 or round_ == s.rounds:
+                accuracy, loss = self._evaluate()
+            traffic, broker = self._traffic_since_last(proc)
+            self._record(round_, accuracy)
+            final = book.final_replies
+            n = sum(r.num_samples for r in final)
+            self.runlog.event(
+                "round", round=round_, accuracy=accuracy, loss=loss,
+                participants=len(final), aggregated=new_weights is not None, uploads=book.uploads,
+                **traffic,
+                selected=selected, answered=sorted(r.client for r in final),
+                stragglers=sorted(book.stragglers), dropped=sorted(book.dropped),
+                train_loss=(sum(r.train_loss * r.num_samples for r in final) / n) if n else None,
+                compute_s_max=max((r.compute_s for r in final), default=None),
+                slowdowns={r.client: round(r.slowdown, 3) for r in final if r.slowdown != 1.0},
+                offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
+                round_s=round(time.monotonic() - started, 4),
+            )
+            reason = self._finished(round_, accuracy)
+            if reason:
+                return "completed", reason
+        return "completed", f"ran {s.rounds} rounds"
+
+    def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str, lr: float,
+               lr_decay: float = 0.0, full_gradient: np.ndarray | None = None) -> list[TrainReply] | None:
+        s = self.settings
+        request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
+                               batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
+                               full_gradient=full_gradient)
+        asked = [k for k in book.selected if k in self.live]
+        for k in asked:
+            proc.send(self.pids[k], request)
+        deadline = time.monotonic() + (s.deadline_s / s.time_scale if s.deadline_s else float("inf"))
+        waiting = set(asked)
+        replies: list[TrainReply] = []
+        watchdog = time.monotonic() + s.progress_timeout_s
+        while waiting:
+            wait = min(deadline, watchdog) - time.monotonic()
+            msg = self._receive(proc, (TrainReply, Down), wait)
+            if msg is TIMEOUT:
+                if time.monotonic() >= deadline:
+                    break
+                self.runlog.event("stall", round=round_, task=task, waiting_s=s.progress_timeout_s,
+                                  waiting_for=sorted(waiting), cause="no reply from these clients; no deadline set")
+                watchdog = time.monotonic() + s.progress_timeout_s
+                continue
+            body = msg.body
+            if isinstance(body, Down):
+                k = self._client_down(body, round_)
+                if k in waiting:
+                    waiting.discard(k)
+                    book.dropped.add(k)
+            elif body.round == round_ and body.task == task and body.client in waiting:
+                waiting.discard(body.client)
+                replies.append(body)
+            # else: a straggler's reply from an earlier round or phase, which has closed.
+        book.stragglers |= waiting
+        book.uploads += len(replies)
+        self.totals.uploads += len(replies)
+        book.final_replies = replies
+        return replies if len(replies) >= s.quorum else None
+
+
+@dataclass
+class _RoundBook:
+    """Who did what in one round, across its phases."""
+
+    selected: list[int]
+    stragglers: set[int] = field(default_factory=set)
+    dropped: set[int] = field(default_factory=set)
+    uploads: int = 0
+    final_replies: list = field(default_factory=list)
 
 
 class _Stopped(Exception):

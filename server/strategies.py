@@ -7,11 +7,11 @@ accounting — is the round engine's (``engine.py``), shared by all of them.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from fedemu.worker.protocol import GRADIENT, TRAIN, TrainReply
+from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 
 def selected_per_round(C: float, K: int) -> int:
@@ -34,48 +34,79 @@ def weighted_average(updates: Sequence[np.ndarray], counts: Sequence[int]) -> np
     return acc.astype(np.float32)
 
 
+# run_phase(task, lr, lr_decay=0.0, full_gradient=None) sends one request to every
+# selected client and returns the replies that arrived, or None when fewer than the
+# quorum did (the round is then skipped and the model kept).
+RunPhase = Callable[..., "list[TrainReply] | None"]
+
+
 class Strategy:
     name = ""
-    task = TRAIN
+    selects_all = False  # True: every live client takes part (FSVRG), not m = C*K
 
-    def __init__(self, lr: float, lr_decay: float = 0.0) -> None:
+    def __init__(self, lr: float, lr_decay: float = 0.0, h: float = 1.0) -> None:
         self.lr = lr
         self.lr_decay = lr_decay
+        self.h = h
 
-    def learning_rate(self, round_: int) -> float:
-        """Keras-style time decay, as Nilsson et al. used: lr / (1 + lambda * t)."""
-        return self.lr / (1.0 + self.lr_decay * (round_ - 1))
-
-    def aggregate(self, weights: np.ndarray, replies: Sequence[TrainReply], round_: int) -> np.ndarray:
+    def run_round(self, run_phase: RunPhase, weights: np.ndarray, round_: int) -> np.ndarray | None:
+        """One round; the new global model, or None if the round could not aggregate."""
         raise NotImplementedError
 
 
+def _average(replies: Sequence[TrainReply]) -> np.ndarray:
+    return weighted_average([r.update for r in replies], [r.num_samples for r in replies])
+
+
 class FedAvg(Strategy):
-    """McMahan et al. 2017, Algorithm 1: w <- sum_k n_k/n_sigma w_k over arrivals."""
+    """McMahan et al. 2017, Algorithm 1: w <- sum_k n_k/n_sigma w_k over arrivals.
+    The learning-rate decay runs on the clients, per local iteration (Keras)."""
 
     name = "fedavg"
-    task = TRAIN
 
-    def aggregate(self, weights, replies, round_):
-        return weighted_average([r.update for r in replies], [r.num_samples for r in replies])
+    def run_round(self, run_phase, weights, round_):
+        replies = run_phase(TRAIN, self.lr, lr_decay=self.lr_decay)
+        return None if replies is None else _average(replies)
 
 
 class FedSGD(Strategy):
-    """w <- w - eta * sum_k n_k/n_sigma g_k, each g_k a full local-batch gradient."""
+    """w <- w - eta * sum_k n_k/n_sigma g_k, each g_k a full local-batch gradient.
+    One global SGD step per round, so Keras' decay counts rounds."""
 
     name = "fedsgd"
-    task = GRADIENT
 
-    def aggregate(self, weights, replies, round_):
-        gradient = weighted_average([r.update for r in replies], [r.num_samples for r in replies])
-        return (weights - self.learning_rate(round_) * gradient).astype(np.float32)
+    def learning_rate(self, round_: int) -> float:
+        return self.lr / (1.0 + self.lr_decay * (round_ - 1))
+
+    def run_round(self, run_phase, weights, round_):
+        replies = run_phase(GRADIENT, 0.0)
+        if replies is None:
+            return None
+        return (weights - self.learning_rate(round_) * _average(replies)).astype(np.float32)
 
 
-STRATEGIES = {cls.name: cls for cls in (FedAvg, FedSGD)}
+class FSVRG(Strategy):
+    """Nilsson et al. 2018, Algorithm 2: every client uploads its full local gradient at
+    w_t; the server forms grad f(w_t) = sum n_k/n g_k and sends it back; each client
+    runs one SVRG pass with h_k = h / n_k; the server averages the models by n_k / n.
+    Two uploads per client per round."""
+
+    name = "fsvrg"
+    selects_all = True
+
+    def run_round(self, run_phase, weights, round_):
+        gradients = run_phase(GRADIENT, 0.0)
+        if gradients is None:
+            return None
+        replies = run_phase(SVRG, self.h, full_gradient=_average(gradients))
+        return None if replies is None else _average(replies)
 
 
-def make(name: str, lr: float, lr_decay: float = 0.0) -> Strategy:
+STRATEGIES = {cls.name: cls for cls in (FedAvg, FedSGD, FSVRG)}
+
+
+def make(name: str, lr: float, lr_decay: float = 0.0, h: float = 1.0) -> Strategy:
     try:
-        return STRATEGIES[name](lr, lr_decay)
+        return STRATEGIES[name](lr, lr_decay, h)
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; round-based ones are {', '.join(STRATEGIES)}") from None

@@ -196,3 +196,85 @@ def test_evaluate_matches_direct_computation_and_restores_mode():
     assert accuracy == pytest.approx((logits.argmax(1) == targets).float().mean().item())
     assert loss == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5)
     assert model.training
+
+
+# --- FSVRG and learning-rate decay ------------------------------------------------------
+
+
+def _tiny_problem(seed: int = 0, n: int = 12):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=n).astype(np.uint8)
+    return images, labels
+
+
+def test_svrg_pass_matches_a_hand_written_loop():
+    from fedemu.worker import models, training
+
+    images, labels = _tiny_problem()
+    model = models.build("2nn", seed=3)
+    anchor = models.build("2nn", seed=3)
+    w_t = models.get_flat(model)
+    full, _ = training.local_gradient(models.build("2nn", seed=3), images, labels)
+    full = full * 0.5  # any vector: the pass must add exactly this term
+    # h_k = 0.5 / 12: big enough to move, small enough that float32 rounding in a
+    # different operation order cannot flip a ReLU and amplify.
+    result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+                                stepsize=0.5, generator=torch.Generator().manual_seed(11))
+
+    reference = models.build("2nn", seed=3)
+    fixed = models.build("2nn", seed=3)
+    w = w_t.copy()
+    for i in torch.randperm(len(labels), generator=torch.Generator().manual_seed(11)).tolist():
+        models.set_flat(reference, w)
+        g, _ = training.local_gradient(reference, images[i : i + 1], labels[i : i + 1])
+        g0, _ = training.local_gradient(fixed, images[i : i + 1], labels[i : i + 1])
+        w = w - (0.5 / len(labels)) * (g - g0 + full)
+    np.testing.assert_allclose(result.weights, w, rtol=0, atol=2e-6)
+    assert result.steps == len(labels)
+    np.testing.assert_array_equal(models.get_flat(anchor), w_t)  # w_t stays fixed
+
+
+def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
+    """At w = w_t the variance-reduced direction is exactly grad f(w_t)."""
+    from fedemu.worker import models, training
+
+    images, labels = _tiny_problem(n=1)
+    model, anchor = models.build("2nn", seed=1), models.build("2nn", seed=1)
+    w_t = models.get_flat(model)
+    full = np.random.default_rng(2).standard_normal(w_t.size).astype(np.float32)
+    result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+                                stepsize=0.1, generator=torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(result.weights, w_t - 0.1 * full, atol=1e-6)
+
+
+def test_keras_decay_lowers_each_steps_learning_rate():
+    from fedemu.worker import models, training
+
+    images, labels = _tiny_problem(n=4)
+    decayed = models.build("2nn", seed=5)
+    training.client_update(decayed, images, labels, epochs=1, batch_size=1, lr=0.1,
+                           generator=torch.Generator().manual_seed(1), lr_decay=0.5, start_iteration=2)
+    # Same batches by hand: step i uses lr / (1 + 0.5 * (2 + i)).
+    manual = models.build("2nn", seed=5)
+    for i, j in enumerate(torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()):
+        training.client_update(manual, images[j : j + 1], labels[j : j + 1], epochs=1, batch_size=1,
+                               lr=0.1 / (1 + 0.5 * (2 + i)), generator=torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(models.get_flat(decayed), models.get_flat(manual), atol=1e-6)
+
+
+def test_svrg_fast_mlp_path_equals_the_autograd_path():
+    """The 2NN takes an analytic path; it must compute exactly what autograd does."""
+    from fedemu.worker import models, training
+
+    images, labels = _tiny_problem(seed=4, n=30)
+    full = np.random.default_rng(9).standard_normal(199_210).astype(np.float32) * 0.01
+    results = []
+    for generic in (False, True):
+        model, anchor = models.build("2nn", seed=6), models.build("2nn", seed=6)
+        if generic:  # hide the MLP structure so the autograd path runs
+            model, anchor = torch.nn.Sequential(model), torch.nn.Sequential(anchor)
+        results.append(training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+                                          stepsize=4.0, generator=torch.Generator().manual_seed(3)))
+    np.testing.assert_allclose(results[0].weights, results[1].weights, rtol=0, atol=1e-5)
+    assert results[0].train_loss == pytest.approx(results[1].train_loss, rel=1e-5)

@@ -12,11 +12,14 @@ import time
 import numpy as np
 import torch
 
-from fedemu.node import Behaviour, BehaviourProcess, Message, Node
+from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
 from . import models, training
 from .data import Dataset
-from .protocol import GRADIENT, TRAIN, TrainReply, TrainRequest, WorkerReady, client_name
+from .protocol import (
+    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, TrainAgain,
+    TrainReply, TrainRequest, Upload, WorkerReady, client_name,
+)
 from .stragglers import StragglerSpec
 
 log = logging.getLogger("fedemu.worker")
@@ -50,35 +53,72 @@ class _ModelCache(threading.local):
 
 
 class Client(Behaviour):
+    """One emulated client. Synchronous algorithms send it a TrainRequest per round;
+    asynchronous ones an AsyncStart, after which it loops on its own (it then holds its
+    local model w_k and age a_k between messages)."""
+
     def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache,
-                 stragglers: StragglerSpec = StragglerSpec(), time_scale: float = 1.0):
+                 stragglers: StragglerSpec = StragglerSpec(), time_scale: float = 1.0,
+                 anchors: _ModelCache | None = None):
         self.client_id = client_id
         self.indices = indices
         self.dataset = dataset
         self.model_name = model_name
         self._cache = cache
+        self._anchors = anchors or _ModelCache()  # FSVRG holds w_t fixed beside the model it updates
         self.stragglers = stragglers
         self.time_scale = time_scale
+        self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
+        self._async: AsyncStart | None = None
+        self._server: Pid | None = None
+        self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
+        self._age = 0
+        self._base: np.ndarray | None = None  # the model w_k started from (FedBuff deltas)
+        self._updates = 0  # local updates run in asynchronous mode (its "round" counter)
+        self._loss = 0.0
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
-        request = msg.body
-        if not isinstance(request, TrainRequest):
-            log.warning("client %d ignores %r from %s", self.client_id, type(request).__name__, msg.sender)
-            return
+        body = msg.body
+        if isinstance(body, TrainRequest):
+            self._train_request(proc, msg.sender, body)
+        elif isinstance(body, AsyncStart):
+            self._async, self._server = body, msg.sender
+            self._weights, self._age, self._base = body.weights.copy(), body.age, body.weights
+            self._train_async(proc)
+        elif isinstance(body, TrainAgain) and self._async is not None:
+            self._train_async(proc)
+        elif isinstance(body, AgeReply) and self._async is not None:
+            self._coop_decide(proc, body.age)
+        elif isinstance(body, ModelReply) and self._async is not None:
+            self._weights, self._age, self._base = body.weights.copy(), body.age, body.weights
+            self._train_async(proc)
+        elif isinstance(body, AsyncStop):
+            proc.stop()
+        else:
+            log.warning("client %d ignores %r from %s", self.client_id, type(body).__name__, msg.sender)
+
+    # --- synchronous rounds ---------------------------------------------------------------
+
+    def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
         started = time.perf_counter()
         model = self._cache.get(self.model_name)
         models.set_flat(model, request.weights)
-        images = self.dataset.train_images[self.indices]
-        labels = self.dataset.train_labels[self.indices]
+        images, labels = self._data()
+        generator = client_generator(request.seed, request.round, self.client_id)
         if request.task == TRAIN:
             result = training.client_update(
-                model, images, labels,
-                epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
-                generator=client_generator(request.seed, request.round, self.client_id),
-            )
+                model, images, labels, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
+                generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations)
+            self.iterations += result.steps
             update, loss = result.weights, result.train_loss
         elif request.task == GRADIENT:
             update, loss = training.local_gradient(model, images, labels)
+        elif request.task == SVRG:
+            anchor = self._anchors.get(self.model_name)
+            models.set_flat(anchor, request.weights)
+            result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=request.full_gradient,
+                                        stepsize=request.lr, generator=generator)
+            update, loss = result.weights, result.train_loss
         else:
             raise ValueError(f"unknown task {request.task!r}")
         compute_s = time.perf_counter() - started
@@ -88,7 +128,51 @@ class Client(Behaviour):
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
         )
         # A slower device: hold the reply for the extra compute time it would have taken.
-        proc.send_after((slowdown - 1.0) * compute_s / self.time_scale, msg.sender, reply)
+        proc.send_after(self._hold(compute_s, slowdown), sender, reply)
+
+    def _data(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.dataset.train_images[self.indices], self.dataset.train_labels[self.indices]
+
+    def _hold(self, compute_s: float, slowdown: float) -> float:
+        return (slowdown - 1.0) * compute_s / self.time_scale
+
+    # --- asynchronous rules ---------------------------------------------------------------------
+
+    def _train_async(self, proc: BehaviourProcess) -> None:
+        start = self._async
+        started = time.perf_counter()
+        model = self._cache.get(self.model_name)
+        models.set_flat(model, self._weights)
+        images, labels = self._data()
+        self._updates += 1
+        result = training.client_update(
+            model, images, labels, epochs=start.epochs, batch_size=start.batch_size, lr=start.lr,
+            generator=client_generator(start.seed, self._updates, self.client_id),
+            lr_decay=start.lr_decay, start_iteration=self.iterations)
+        self.iterations += result.steps
+        self._weights, self._loss = result.weights, result.train_loss
+        compute_s = time.perf_counter() - started
+        slowdown = self.stragglers.slowdown(self.client_id, self._updates)
+        hold = self._hold(compute_s, slowdown)
+        if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
+            proc.send_after(hold, self._server, AgeRequest(self.client_id, self._age))
+            return
+        fedbuff = start.rule == "fedbuff"
+        update = (result.weights - self._base) if fedbuff else result.weights
+        proc.send_after(hold, self._server, Upload(
+            client=self.client_id, update=update, is_delta=fedbuff, age=self._age,
+            num_samples=len(self.indices), train_loss=result.train_loss, compute_s=compute_s, slowdown=slowdown))
+
+    def _coop_decide(self, proc: BehaviourProcess, age: int) -> None:
+        start = self._async
+        if age - self._age > start.b_u:  # outdated: reconcile with the global model
+            proc.send(self._server, FetchRequest(self.client_id))
+        elif age - self._age < start.b_l:  # over-active: keep training
+            proc.send(proc.pid, TrainAgain())
+        else:
+            proc.send(self._server, Upload(
+                client=self.client_id, update=self._weights, is_delta=False, age=self._age,
+                num_samples=len(self.indices), train_loss=self._loss, compute_s=0.0))
 
 
 def warm_up(dataset: Dataset, indices: np.ndarray, model_name: str) -> float:
@@ -117,10 +201,10 @@ def host_clients(
     """Spawn this node's clients, register their names, and report to the server."""
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(dataset, shards[clients[0]], model_name))
-    cache = _ModelCache()
+    cache, anchors = _ModelCache(), _ModelCache()
     entries = []
     for k in clients:
-        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale))
+        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale, anchors))
         entries.append((client_name(k), pid, k))
     node.register_many(entries)
     deadline = time.monotonic() + startup_timeout

@@ -10,7 +10,8 @@ import numpy as np
 from fedemu.node import Pid, message
 
 TRAIN = "train"  # FedAvg: E epochs of SGD from the sent weights, return the weights
-GRADIENT = "gradient"  # FedSGD: return the full-batch gradient at the sent weights
+GRADIENT = "gradient"  # FedSGD, FSVRG phase 1: the full local gradient at the sent weights
+SVRG = "svrg"  # FSVRG phase 2: one variance-reduced pass, return the weights
 
 
 @message
@@ -20,8 +21,10 @@ class TrainRequest:
     weights: np.ndarray  # flat float32 global model
     epochs: int
     batch_size: int  # 0 means the full local set (B = infinity)
-    lr: float
+    lr: float  # eta; for SVRG the stepsize h (the client uses h / n_k)
     seed: int  # run seed; the client derives its shuffling from (seed, round, client)
+    lr_decay: float = 0.0  # Keras-style, per local iteration over the client's life
+    full_gradient: np.ndarray | None = None  # SVRG: grad f(w_t) from phase 1
 
 
 @message
@@ -34,6 +37,75 @@ class TrainReply:
     train_loss: float
     compute_s: float  # measured local computation time
     slowdown: float = 1.0  # straggler factor applied: the reply was held (f - 1) * compute_s
+
+
+# --- asynchronous rules (CO-OP, FedAsync, FedBuff) -------------------------------------------
+
+
+@message
+class AsyncStart:
+    """Start training asynchronously from ``weights``; the client loops on its own."""
+
+    rule: str  # "coop" | "fedasync" | "fedbuff"
+    weights: np.ndarray
+    age: int  # the client's initial age a_k (CO-OP: 0) or model version
+    epochs: int
+    batch_size: int
+    lr: float
+    lr_decay: float
+    seed: int
+    b_l: int = 0  # CO-OP age filter
+    b_u: int = 0
+
+
+@message
+class AgeRequest:
+    """CO-OP: a client that finished training asks the server's age a."""
+
+    client: int
+    age: int  # a_k, for the server's books
+
+
+@message
+class AgeReply:
+    age: int
+
+
+@message
+class FetchRequest:
+    """CO-OP: an outdated client fetches the global model."""
+
+    client: int
+
+
+@message
+class ModelReply:
+    """The global model and its age, after a fetch or a merge."""
+
+    weights: np.ndarray
+    age: int
+
+
+@message
+class Upload:
+    client: int
+    update: np.ndarray  # local weights, or the delta from the base model (is_delta)
+    is_delta: bool
+    age: int  # a_k: the age/version of the model this update was trained from
+    num_samples: int
+    train_loss: float
+    compute_s: float
+    slowdown: float = 1.0
+
+
+@message
+class TrainAgain:
+    """A client's note to itself: run another local update (CO-OP over-active)."""
+
+
+@message
+class AsyncStop:
+    reason: str
 
 
 @message

@@ -1,0 +1,238 @@
+"""Asynchronous aggregation: CO-OP (Nilsson et al. 2018, Algorithm 3), FedAsync (Xie et
+al. 2019) and FedBuff (Nguyen et al. 2022) on one engine.
+
+Every client loops on its own (train E epochs, then ask or upload); the server answers
+each message as it comes. A rule says how an upload is merged. Evaluation runs every
+``eval_every`` uploads (Nilsson evaluated every 10th: as many uploads as one FedAvg
+round at C = 0.1) and each evaluation is written as a ``round`` event, so tools read
+synchronous and asynchronous runs alike.
+
+CO-OP can deadlock (Nilsson's Theorem A.1). The server knows every client's age a_k
+exactly (a_k only changes through the server's replies), so it detects the state where
+every live client is over-active (a - a_k < b_l for all k): a can never grow again.
+It then stops with a ``deadlock`` event, or recovers if the config asks for that.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from fedemu.node import TIMEOUT, Down, ThreadProcess
+from fedemu.worker.data import Dataset
+from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload
+
+from .engine import Engine, Settings
+from .runlog import RunLog
+
+log = logging.getLogger("fedemu.server")
+
+
+class AsyncRule:
+    name = ""
+    client_age_start = 0
+
+    def server_age_start(self) -> int:
+        return 0
+
+    def merge(self, weights: np.ndarray, age: int, upload: Upload) -> tuple[np.ndarray, int, bool]:
+        """(new weights, new age, whether the global model changed)."""
+        raise NotImplementedError
+
+
+class Coop(AsyncRule):
+    """Merge at once: alpha = (a - a_k + 1)^(-1/2), w <- (1 - alpha) w + alpha w_k, a <- a + 1.
+    Server age starts at b_l, client ages at 0; clients apply the age filter [b_l, b_u]."""
+
+    name = "coop"
+
+    def __init__(self, b_l: int, b_u: int) -> None:
+        self.b_l, self.b_u = b_l, b_u
+
+    def server_age_start(self) -> int:
+        return self.b_l
+
+    def merge(self, weights, age, upload):
+        alpha = (age - upload.age + 1) ** -0.5
+        return ((1 - alpha) * weights + alpha * upload.update).astype(np.float32), age + 1, True
+
+
+def staleness_weight(kind: str, s: int, a: float, b: float) -> float:
+    """FedAsync's staleness functions of s = t - tau."""
+    if kind == "constant":
+        return 1.0
+    if kind == "polynomial":
+        return (s + 1) ** -a
+    if kind == "hinge":
+        return 1.0 if s <= b else 1.0 / (a * (s - b) + 1)
+    raise ValueError(f"unknown staleness function {kind!r}; use constant, polynomial or hinge")
+
+
+class FedAsync(AsyncRule):
+    """w <- (1 - alpha_t) w + alpha_t w_k with alpha_t = alpha * S(t - tau)."""
+
+    name = "fedasync"
+
+    def __init__(self, alpha: float, staleness: str, a: float, b: float) -> None:
+        self.alpha, self.staleness, self.a, self.b = alpha, staleness, a, b
+        staleness_weight(staleness, 0, a, b)  # an unknown function fails here, not mid-run
+
+    def merge(self, weights, age, upload):
+        mix = self.alpha * staleness_weight(self.staleness, age - upload.age, self.a, self.b)
+        return ((1 - mix) * weights + mix * upload.update).astype(np.float32), age + 1, True
+
+
+class FedBuff(AsyncRule):
+    """Buffer uploaded deltas, each weighted 1/sqrt(1 + s); when ``buffer_size`` are in,
+    w <- w + server_lr * mean(weighted deltas), and the version t grows by one."""
+
+    name = "fedbuff"
+
+    def __init__(self, buffer_size: int, server_lr: float) -> None:
+        self.buffer_size, self.server_lr = buffer_size, server_lr
+        self._buffer: list[np.ndarray] = []
+
+    def merge(self, weights, age, upload):
+        if not upload.is_delta:
+            raise ValueError(f"FedBuff needs model deltas; client {upload.client} sent weights")
+        self._buffer.append(upload.update / math.sqrt(1 + (age - upload.age)))
+        if len(self._buffer) < self.buffer_size:
+            return weights, age, False
+        step = np.mean(self._buffer, axis=0)
+        self._buffer.clear()
+        return (weights + self.server_lr * step).astype(np.float32), age + 1, True
+
+
+class AsyncEngine(Engine):
+    def __init__(self, settings: Settings, rule: AsyncRule, model_name: str, dataset: Dataset, runlog: RunLog,
+                 lr: float, lr_decay: float = 0.0, on_deadlock: str = "stop"):
+        super().__init__(settings, model_name, dataset, runlog)
+        self.rule = rule
+        self.algorithm = rule.name
+        self.lr, self.lr_decay = lr, lr_decay
+        self.on_deadlock = on_deadlock
+        self.age = rule.server_age_start()
+        self.ages: dict[int, int] = {}  # a_k as the server last set it
+        self.doing: dict[int, str] = {}  # what each client was last seen doing, for diagnostics
+
+    def main(self, proc: ThreadProcess) -> tuple[str, str]:
+        s = self.settings
+        b_l, b_u = (self.rule.b_l, self.rule.b_u) if isinstance(self.rule, Coop) else (0, 0)
+        for k in sorted(self.live):
+            self.ages[k] = self.rule.client_age_start
+            self.doing[k] = "training"
+            proc.send(self.pids[k], AsyncStart(
+                rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
+                batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u))
+        try:
+            return self._serve(proc)
+        finally:
+            for k in self.live:
+                proc.send(self.pids[k], AsyncStop("the run ended"))
+
+    def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
+        s = self.settings
+        evaluation, merges, uploads_at_eval = 0, 0, 0
+        last_progress = time.monotonic()
+        period_uploads: list[int] = []
+        while True:
+            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down),
+                                last_progress + s.progress_timeout_s - time.monotonic())
+            if msg is TIMEOUT:
+                self._stall(evaluation)
+                last_progress = time.monotonic()
+                continue
+            body = msg.body
+            if isinstance(body, Down):
+                self._client_down(body, evaluation)
+                self.ages.pop(self.client_of.get(body.pid), None)
+                if not self.live:
+                    cause = "every client is gone: nothing can upload again"
+                    self.runlog.event("deadlock", round=evaluation, cause=cause)
+                    return "failed", f"deadlock: {cause}"
+            elif isinstance(body, AgeRequest):
+                self.doing[body.client] = "asked the age"
+                proc.send(msg.sender, AgeReply(self.age))
+            elif isinstance(body, FetchRequest):
+                self.ages[body.client] = self.age
+                self.doing[body.client] = "fetched (outdated)"
+                proc.send(msg.sender, ModelReply(self.weights, self.age))
+            else:
+                self.totals.uploads += 1
+                period_uploads.append(body.client)
+                staleness = self.age - body.age
+                self.weights, self.age, merged = self.rule.merge(self.weights, self.age, body)
+                merges += merged
+                last_progress = time.monotonic()
+                self.ages[body.client] = self.age
+                self.doing[body.client] = f"uploaded (staleness {staleness})"
+                proc.send(msg.sender, ModelReply(self.weights, self.age))
+                if self.totals.uploads - uploads_at_eval >= s.eval_every:
+                    uploads_at_eval = self.totals.uploads
+                    evaluation += 1
+                    reason = self._evaluation(proc, evaluation, merges, period_uploads)
+                    period_uploads = []
+                    if reason:
+                        return "completed", reason
+            if isinstance(self.rule, Coop) and self._all_over_active():
+                if self.on_deadlock != "recover":
+                    self.runlog.event("deadlock", round=evaluation, cause=self._deadlock_cause(), age=self.age,
+                                      ages={k: self.ages[k] for k in sorted(self.live)})
+                    return "failed", f"deadlock: {self._deadlock_cause()}"
+                # Recovery: advance the global age just enough that the stalest live
+                # client passes the lower bound again.
+                widest = max(self.age - self.ages[k] for k in self.live)
+                new_age = self.age + (self.rule.b_l - widest)
+                self.runlog.event("recovered", round=evaluation, cause=self._deadlock_cause(),
+                                  age_before=self.age, age_after=new_age)
+                self.age = new_age
+
+    def _all_over_active(self) -> bool:
+        return bool(self.live) and all(self.age - self.ages[k] < self.rule.b_l for k in self.live)
+
+    def _deadlock_cause(self) -> str:
+        gaps = sorted(self.age - self.ages[k] for k in self.live)
+        return (f"every live client is over-active: a - a_k ranges {gaps[0]}..{gaps[-1]}, all below "
+                f"b_l = {self.rule.b_l}, so no upload can pass the age filter and a cannot grow "
+                f"(a = {self.age}, {len(self.live)} live clients, b_u = {self.rule.b_u})")
+
+    def _evaluation(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
+        accuracy, loss = self._evaluate()
+        traffic, broker = self._traffic_since_last(proc)
+        self._record(evaluation, accuracy)
+        staleness = [self.age - self.ages[k] for k in self.live]
+        self.runlog.event(
+            "round", round=evaluation, accuracy=accuracy, loss=loss, participants=len(uploaders),
+            uploads=len(uploaders), total_uploads=self.totals.uploads, merges=merges, age=self.age,
+            uploaders=sorted(set(uploaders)), **traffic,
+            staleness_min=min(staleness, default=None), staleness_max=max(staleness, default=None),
+            offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
+        )
+        return self._finished(evaluation, accuracy)
+
+    def _stall(self, evaluation: int) -> None:
+        """The watchdog: nothing was aggregated for progress_timeout_s. Say what everyone
+        was last seen doing, and keep going (a provable deadlock stops the run instead)."""
+        by_state: dict[str, list[int]] = {}
+        for k in sorted(self.live):
+            by_state.setdefault(self.doing.get(k, "unknown"), []).append(k)
+        self.runlog.event("stall", round=evaluation, waiting_s=self.settings.progress_timeout_s,
+                          server="waiting for an age request, fetch or upload", clients=by_state, age=self.age)
+        log.warning("no progress for %.0fs; clients by last known state: %s",
+                    self.settings.progress_timeout_s, {s: len(v) for s, v in by_state.items()})
+
+
+def make_rule(algorithm: dict) -> AsyncRule:
+    name = algorithm["name"]
+    if name == "coop":
+        return Coop(algorithm["b_l"], algorithm["b_u"])
+    if name == "fedasync":
+        return FedAsync(algorithm["alpha"], algorithm["staleness"], algorithm["staleness_a"], algorithm["staleness_b"])
+    if name == "fedbuff":
+        return FedBuff(algorithm["buffer_size"], algorithm["server_lr"])
+    raise ValueError(f"unknown asynchronous rule {name!r}; use coop, fedasync or fedbuff")
+
+
+ASYNC_RULES = ("coop", "fedasync", "fedbuff")
