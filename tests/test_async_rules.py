@@ -1,0 +1,87 @@
+import math
+
+import numpy as np
+import pytest
+
+from fedemu.launch import config as configuration
+from fedemu.server.async_engine import Coop, FedAsync, FedBuff, staleness_weight
+from fedemu.server.checks import check
+from fedemu.worker.protocol import Upload
+
+
+def upload(update, age, is_delta=False, client=0):
+    return Upload(client=client, update=np.asarray(update, np.float32), is_delta=is_delta, age=age,
+                  num_samples=600, train_loss=0.0, compute_s=0.0)
+
+
+def test_coop_merge_weight_follows_the_age_gap():
+    rule = Coop(b_l=16, b_u=51)
+    assert rule.server_age_start() == 16
+    w = np.zeros(2, np.float32)
+    # a = 19, a_k = 16: alpha = (19 - 16 + 1)^(-1/2) = 1/2
+    new, age, merged = rule.merge(w, 19, upload([2.0, -4.0], 16))
+    np.testing.assert_allclose(new, [1.0, -2.0])
+    assert (age, merged) == (20, True)
+
+
+@pytest.mark.parametrize("kind, s, expected", [
+    ("constant", 7, 1.0),
+    ("polynomial", 3, (3 + 1) ** -0.5),
+    ("hinge", 4, 1.0),  # s <= b
+    ("hinge", 6, 1 / (0.5 * (6 - 4) + 1)),
+])
+def test_fedasync_staleness_functions(kind, s, expected):
+    assert staleness_weight(kind, s, a=0.5, b=4) == pytest.approx(expected)
+
+
+def test_fedasync_mixes_by_alpha_times_staleness():
+    rule = FedAsync(alpha=0.6, staleness="polynomial", a=0.5, b=4)
+    new, age, merged = rule.merge(np.zeros(1, np.float32), 10, upload([1.0], 7))
+    assert new[0] == pytest.approx(0.6 * (3 + 1) ** -0.5)
+    assert (age, merged) == (11, True)
+    with pytest.raises(ValueError, match="unknown staleness function 'cubic'"):
+        FedAsync(0.6, "cubic", 0.5, 4)
+
+
+def test_fedbuff_waits_for_a_full_buffer_of_staleness_weighted_deltas():
+    rule = FedBuff(buffer_size=2, server_lr=0.5)
+    w = np.ones(1, np.float32)
+    w1, age1, merged1 = rule.merge(w, 5, upload([2.0], 5, is_delta=True))  # staleness 0: weight 1
+    assert (w1[0], age1, merged1) == (1.0, 5, False)
+    w2, age2, merged2 = rule.merge(w1, 5, upload([4.0], 2, is_delta=True))  # staleness 3: weight 1/2
+    assert w2[0] == pytest.approx(1.0 + 0.5 * (2.0 + 4.0 / math.sqrt(4)) / 2)
+    assert (age2, merged2) == (6, True)
+    with pytest.raises(ValueError, match="FedBuff needs model deltas"):
+        rule.merge(w2, 6, upload([1.0], 6, is_delta=False))
+
+
+def algo(**changes):
+    return {**configuration.default()["algorithm"], **changes}
+
+
+def test_static_checks_name_the_rule_and_the_numbers():
+    certain = check(algo(name="coop", b_l=10, b_u=30), clients=10, network_can_drop=False)
+    assert [f.rule for f in certain] == ["coop-certain-deadlock"]
+    assert "b_l = 10 >= K = 10 deadlocks for certain" in certain[0].message
+    possible = check(algo(name="coop", b_l=10, b_u=15), clients=100, network_can_drop=False)
+    assert [f.rule for f in possible] == ["coop-possible-deadlock"]
+    assert "b_u = 15 < 2*b_l = 20 and K = 100 >= b_u - b_l + 1 = 6" in possible[0].message
+    assert possible[0].waivable_by == "algorithm.accept_deadlock_risk"
+    assert check(algo(name="coop", b_l=16, b_u=51), clients=100, network_can_drop=True) == []
+    no_deadline = check(algo(name="fedavg", deadline_s=0.0), clients=100, network_can_drop=True)
+    assert [f.rule for f in no_deadline] == ["sync-without-deadline"]
+    assert check(algo(name="fedavg", deadline_s=0.0), clients=100, network_can_drop=False) == []
+    quorum = check(algo(name="fsvrg", quorum=101), clients=100, network_can_drop=False)
+    assert [f.rule for f in quorum] == ["quorum-above-selection"]
+
+
+def test_launch_refuses_unless_the_risk_is_accepted():
+    with pytest.raises(configuration.ConfigError, match="Theorem A.1"):
+        configuration.load(None, ["algorithm.name=coop", "algorithm.b_l=10", "algorithm.b_u=15"])
+    accepted = configuration.load(None, ["algorithm.name=coop", "algorithm.b_l=10", "algorithm.b_u=15",
+                                         "algorithm.accept_deadlock_risk=true"])
+    assert accepted["algorithm"]["accept_deadlock_risk"] is True
+    # A certain deadlock cannot be waived.
+    with pytest.raises(configuration.ConfigError, match="deadlocks for certain"):
+        configuration.load(None, ["algorithm.name=coop", "algorithm.b_l=100", "algorithm.b_u=300",
+                                  "algorithm.accept_deadlock_risk=true"])

@@ -1,0 +1,87 @@
+"""Deadlock and liveness on real runs: Theorem A.1's construction, its counterpart, and
+the progress watchdog."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from fedemu.server.runlog import read_events
+
+from .test_launch import launch, node_pid, processes_of, wait_for_round
+
+pytestmark = [pytest.mark.mnist, pytest.mark.slow]
+
+# b_l = 3, b_u = 5 < 2 b_l, K = 20 >= b_u - b_l + 1 (Theorem A.1). Clients 3..19 are
+# slow devices, so the first b_u - b_l + 1 = 3 uploads come from distinct clients 0, 1, 2;
+# the slow ones first ask the age when a = b_u + 1, find themselves outdated, fetch, and
+# are over-active like everyone else.
+CONSTRUCTION = ["data.clients=20", "algorithm.name=coop", "algorithm.b_l=3", "algorithm.E=1", "algorithm.B=50",
+                "algorithm.eval_every_uploads=2", "run.rounds=6",
+                "network.stragglers.distribution=fixed", "network.stragglers.factor=40",
+                "network.stragglers.clients='3-19'"]
+
+
+def test_theorem_a1_construction_is_detected_as_a_deadlock(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *CONSTRUCTION, "algorithm.b_u=5", "algorithm.accept_deadlock_risk=true")
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, output
+    events = read_events(run_dir)
+    deadlock = [e for e in events if e["event"] == "deadlock"]
+    assert len(deadlock) == 1, output
+    assert "every live client is over-active" in deadlock[0]["cause"]
+    assert deadlock[0]["age"] == 6  # a = b_u + 1 after b_u - b_l + 1 = 3 uploads
+    assert sorted(deadlock[0]["ages"].values()) == [4, 5] + [6] * 18  # three uploaders, 17 fetchers
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"].startswith("deadlock")
+    assert summary["uploads"] == 3
+    assert processes_of(run_dir) == []
+
+
+def test_the_same_load_with_b_u_at_least_2_b_l_runs_to_completion(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *CONSTRUCTION, "algorithm.b_u=6")  # b_u = 2 b_l: no risk to accept
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    events = read_events(run_dir)
+    assert not [e for e in events if e["event"] == "deadlock"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["uploads"] == 12  # 6 evaluations x 2 uploads
+
+
+def test_recovery_instead_of_stopping(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, *CONSTRUCTION, "algorithm.b_u=5", "algorithm.accept_deadlock_risk=true",
+                  "algorithm.on_deadlock=recover")
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    events = read_events(run_dir)
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert recovered and recovered[0]["age_after"] > recovered[0]["age_before"]
+    assert json.loads((run_dir / "summary.json").read_text())["uploads"] == 12
+
+
+def test_watchdog_reports_a_round_waiting_without_a_deadline(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=3", "algorithm.deadline_s=0", "run.progress_timeout_s=2",
+                  "run.heartbeat_timeout_s=60")
+    wait_for_round(run_dir, 1, proc)
+    worker = node_pid(run_dir, "worker-1")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not [e for e in read_events(run_dir) if e["event"] == "stall"]:
+            assert time.monotonic() < deadline, "no stall event"
+            time.sleep(0.2)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    stall = [e for e in read_events(run_dir) if e["event"] == "stall"][0]
+    assert stall["waiting_for"] and all(k >= 50 for k in stall["waiting_for"])  # the stopped node's clients
+    assert "no deadline" in stall["cause"]
