@@ -97,7 +97,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 
 # [network] is nested (profiles, assignments, drop-outs, stragglers): the link model in
 # fedemu.node.links and fedemu.worker.stragglers validate it, naming each key.
-NESTED_SECTIONS = ("network",)
+NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
 
@@ -196,6 +196,11 @@ def validate(config: dict) -> None:
                 raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, spec.choices))}")
             if spec.check is not None and not spec.check(value):
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
+    compression = compression_spec(config)
+    if compression.structured != "none" or compression.sketched:
+        if config["algorithm"]["name"] != "fedavg":
+            raise ConfigError(f"[compression] applies to FedAvg's model updates; algorithm.name = "
+                              f"{config['algorithm']['name']!r} sends no compressible updates here")
     refused = [f.message for f in findings(config) if f.blocking
                and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
     if refused:
@@ -225,6 +230,16 @@ def network_parts(config: dict):
         return (NetworkSpec.from_config(section, K, seed, config["run"]["time_scale"]),
                 StragglerSpec.from_config(stragglers, K, seed))
     except LinkConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def compression_spec(config: dict):
+    """The [compression] section as a CompressionSpec; errors name the key."""
+    from fedemu.worker.compression import CompressionSpec
+
+    try:
+        return CompressionSpec.from_dict(config.get("compression", {}), prefix="compression.")
+    except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 

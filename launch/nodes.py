@@ -97,6 +97,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
         target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
         max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"],
+        compression=_compression(config),
     )
     runlog = RunLog(run_dir)
     model_name = config["model"]["name"]
@@ -127,6 +128,13 @@ def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
         node.wait(10)
     node.close("run finished")
     return 0 if result.get("status") == "completed" else 1
+
+
+def _compression(config: dict) -> dict | None:
+    from fedemu.launch.config import compression_spec
+
+    spec = compression_spec(config)
+    return spec.to_dict() if spec.structured != "none" or spec.sketched else None
 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int:

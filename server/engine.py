@@ -24,7 +24,8 @@ import numpy as np
 from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess, message
 from fedemu.worker import models, training
 from fedemu.worker.data import Dataset
-from fedemu.worker.protocol import TrainReply, TrainRequest, WorkerReady, as_pid_map
+from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
+from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
 from .runlog import RunLog
 from .strategies import Strategy, selected_per_round
@@ -62,6 +63,7 @@ class Settings:
     workers: int = 1
     startup_timeout_s: float = 120.0
     time_scale: float = 1.0  # emulated seconds per wall second
+    compression: dict | None = None  # FedAvg updates travel encoded (CompressionSpec.to_dict())
 
     @property
     def per_round(self) -> int:
@@ -210,6 +212,8 @@ class RoundEngine(Engine):
         super().__init__(settings, model_name, dataset, runlog)
         self.strategy = strategy
         self.algorithm = strategy.name
+        self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
+                      if settings.compression else None)
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -262,7 +266,8 @@ class RoundEngine(Engine):
         s = self.settings
         request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
                                batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
-                               full_gradient=full_gradient)
+                               full_gradient=full_gradient,
+                               compression=s.compression if task == TRAIN and self.codec else None)
         asked = [k for k in book.selected if k in self.live]
         for k in asked:
             proc.send(self.pids[k], request)
@@ -288,6 +293,9 @@ class RoundEngine(Engine):
                     book.dropped.add(k)
             elif body.round == round_ and body.task == task and body.client in waiting:
                 waiting.discard(body.client)
+                if body.encoded is not None and not self._decode(body, round_):
+                    book.dropped.add(body.client)
+                    continue
                 replies.append(body)
             # else: a straggler's reply from an earlier round or phase, which has closed.
         book.stragglers |= waiting
@@ -295,6 +303,19 @@ class RoundEngine(Engine):
         self.totals.uploads += len(replies)
         book.final_replies = replies
         return replies if len(replies) >= s.quorum else None
+
+
+    def _decode(self, reply: TrainReply, round_: int) -> bool:
+        """Turn an encoded delta into the client's weights (w_t + delta), in place.
+        The mask, basis or rotation comes from the same (seed, round, client) seed."""
+        try:
+            delta = self.codec.decode(reply.encoded, update_seed(self.settings.seed, round_, reply.client))
+        except ValueError as exc:
+            log.error("client %d sent an update that does not decode: %s", reply.client, exc)
+            self.runlog.event("fault", round=round_, client=reply.client, reason=f"undecodable update: {exc}")
+            return False
+        reply.update = self.weights + delta
+        return True
 
 
 @dataclass

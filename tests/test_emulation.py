@@ -190,3 +190,25 @@ def test_client_dropped_mid_transfer_is_a_missing_update_and_the_round_completes
     assert second["lost_up"] >= 1  # at least one upload was cut in flight
     assert second["round_s"] >= 12 * 0.95  # it waited out its deadline
     assert rounds[3]["participants"] == 10  # back online, selected and answering again
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_compression_shortens_rounds_on_a_slow_uplink(tmp_path):
+    """1 MB/s uplinks: an 800 kB model takes 0.8 s to upload; the paper's 256x sketch
+    (6.25% subsample, rotation, 2 bits) a few ms. The run log shows both."""
+    slow_up = ["run.rounds=2", "network.default_profile=up1", "network.profiles.up1.up.bandwidth=1000000"]
+    rounds = {}
+    for name, extra in (("raw", []), ("sketched", ["compression.subsample=0.0625", "compression.rotate=true",
+                                                   "compression.bits=2"])):
+        proc = launch(tmp_path / name, *slow_up, *extra)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        rounds[name] = [json.loads(line) for line in (tmp_path / name / "events.jsonl").open()
+                        if json.loads(line)["event"] == "round"]
+    for raw, sketched in zip(rounds["raw"], rounds["sketched"]):
+        assert sketched["bytes_up"] * 100 < raw["bytes_up"]
+        # Each upload spends its bytes / 1 MB/s on its own link: 10 x 0.8 s in all.
+        assert raw["transfer_s_up"] == pytest.approx(raw["bytes_up"] / 1e6, rel=0.05)
+        assert sketched["transfer_s_up"] < raw["transfer_s_up"] / 50
+    assert rounds["sketched"][1]["round_s"] < rounds["raw"][1]["round_s"] - 0.5

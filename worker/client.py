@@ -20,9 +20,24 @@ from .protocol import (
     GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, TrainAgain,
     TrainReply, TrainRequest, Upload, WorkerReady, client_name,
 )
+from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .stragglers import StragglerSpec
+from .structured import compressed_client_update
 
 log = logging.getLogger("fedemu.worker")
+
+
+_CODECS: dict[tuple, UpdateCodec] = {}
+_CODECS_LOCK = threading.Lock()
+
+
+def codec_for(model_name: str, spec: dict, model: torch.nn.Module) -> UpdateCodec:
+    """One codec per (model, spec) per process: its layer plan is the same for every client."""
+    key = (model_name, tuple(sorted(spec.items())))
+    with _CODECS_LOCK:
+        if key not in _CODECS:
+            _CODECS[key] = make_codec(spec, parameter_shapes(model))
+        return _CODECS[key]
 
 
 def placement(num_clients: int, num_workers: int) -> list[range]:
@@ -105,7 +120,16 @@ class Client(Behaviour):
         models.set_flat(model, request.weights)
         images, labels = self._data()
         generator = client_generator(request.seed, request.round, self.client_id)
-        if request.task == TRAIN:
+        encoded = None
+        if request.task == TRAIN and request.compression:
+            result = compressed_client_update(
+                model, images, labels, codec=codec_for(self.model_name, request.compression, model),
+                seed=update_seed(request.seed, request.round, self.client_id), epochs=request.epochs,
+                batch_size=request.batch_size, lr=request.lr, generator=generator,
+                lr_decay=request.lr_decay, start_iteration=self.iterations)
+            self.iterations += result.steps
+            update, encoded, loss = None, result.encoded, result.train_loss
+        elif request.task == TRAIN:
             result = training.client_update(
                 model, images, labels, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
                 generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations)
@@ -126,6 +150,7 @@ class Client(Behaviour):
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
+            encoded=encoded,
         )
         # A slower device: hold the reply for the extra compute time it would have taken.
         proc.send_after(self._hold(compute_s, slowdown), sender, reply)

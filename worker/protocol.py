@@ -25,6 +25,7 @@ class TrainRequest:
     seed: int  # run seed; the client derives its shuffling from (seed, round, client)
     lr_decay: float = 0.0  # Keras-style, per local iteration over the client's life
     full_gradient: np.ndarray | None = None  # SVRG: grad f(w_t) from phase 1
+    compression: dict | None = None  # TRAIN: send the update encoded (CompressionSpec.to_dict())
 
 
 @message
@@ -32,11 +33,12 @@ class TrainReply:
     round: int
     client: int
     task: str
-    update: np.ndarray  # trained weights (TRAIN) or gradient (GRADIENT), flat float32
+    update: np.ndarray | None  # trained weights (TRAIN) or gradient (GRADIENT), flat float32
     num_samples: int  # n_k, the weight of this update
     train_loss: float
     compute_s: float  # measured local computation time
     slowdown: float = 1.0  # straggler factor applied: the reply was held (f - 1) * compute_s
+    encoded: dict | None = None  # TRAIN with compression: the encoded delta instead of `update`
 
 
 # --- asynchronous rules (CO-OP, FedAsync, FedBuff) -------------------------------------------
