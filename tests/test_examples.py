@@ -1,0 +1,17 @@
+from pathlib import Path
+
+import pytest
+
+from fedemu.launch import config
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+
+
+def test_there_are_examples_for_every_algorithm():
+    names = {config.load(path)["algorithm"]["name"] for path in EXAMPLES}
+    assert names == {"fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_passes_the_static_checks(path):
+    config.load(path)  # raises ConfigError naming the key or the rule
