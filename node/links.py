@@ -376,12 +376,15 @@ class Availability:
 # --- the network section of a run's config --------------------------------------------------
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Round figures for typical access links; see the README for where they come from.
+    # latency_ms is one way: half the round-trip time the sources give.
     "ideal": {},
-    "lan": {"latency_ms": 0.5, "bandwidth": "1Gbit"},
-    "wifi": {"latency_ms": 5, "jitter_ms": 2, "bandwidth": "50Mbit"},
-    "lte": {"latency_ms": 35, "jitter_ms": 10, "up": {"bandwidth": "10Mbit"}, "down": {"bandwidth": "30Mbit"}},
-    "3g": {"latency_ms": 150, "jitter_ms": 40, "up": {"bandwidth": "750kbit"}, "down": {"bandwidth": "1.6Mbit"}},
+    "lan": {"latency_ms": 0.25, "bandwidth": "1Gbit"},  # a nominal switched gigabit LAN
+    # WebPageTest's connectivity presets "Cable" and "LTE".
+    "cable": {"latency_ms": 14, "up": {"bandwidth": "1Mbit"}, "down": {"bandwidth": "5Mbit"}},
+    "lte": {"latency_ms": 35, "bandwidth": "12Mbit"},
+    # Lighthouse's mobile throttling ("Slow 4G", formerly "Fast 3G"; WebPageTest's
+    # "Mobile 3G - Fast"): 150 ms RTT, 1.6 Mbps down, 750 kbps up.
+    "3g": {"latency_ms": 75, "up": {"bandwidth": "750kbit"}, "down": {"bandwidth": "1.6Mbit"}},
 }
 
 NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
