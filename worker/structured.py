@@ -18,11 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.nn import functional as F
 
 from .compression import LOW_RANK, RANDOM_MASK, UpdateCodec, low_rank_product
 from .models import get_flat
-from .training import _check_local_data, _to_tensor_labels, client_update, to_tensor_images
+from .training import _prepared, client_update, sgd_epochs
 
 
 class _Mask(NamedTuple):
@@ -90,15 +89,7 @@ def compressed_client_update(
 
 def _restricted_update(model, images_u8, labels, codec, seed, start_weights,
                        epochs, batch_size, lr, generator, lr_decay, start_iteration) -> CompressedResult:
-    # Argument checks and batching exactly as training.client_update.
-    count = _check_local_data(images_u8, labels)
-    if epochs <= 0:
-        raise ValueError(f"epochs must be positive, got {epochs}")
-    if batch_size is not None and batch_size < 0:
-        raise ValueError(f"batch_size must be None, 0 or positive, got {batch_size}")
-    batch = count if not batch_size else min(batch_size, count)
-    inputs = to_tensor_images(images_u8)
-    targets = _to_tensor_labels(labels)
+    count, batch, inputs, targets = _prepared(images_u8, labels, epochs, batch_size)
 
     named = list(model.named_parameters())
     if len(named) != len(codec.layers):
@@ -123,7 +114,6 @@ def _restricted_update(model, images_u8, labels, codec, seed, start_weights,
         else:
             trainable.append(parameter)
 
-    optimizer = torch.optim.SGD(trainable, lr=lr, momentum=0.0, weight_decay=0.0)
     model.train()
 
     def forward(batch_inputs: torch.Tensor) -> torch.Tensor:
@@ -134,24 +124,14 @@ def _restricted_update(model, images_u8, labels, codec, seed, start_weights,
             weights[f.name] = f.base + (f.basis_t @ f.factor).view_as(f.base)
         return functional_call(model, weights, (batch_inputs,))
 
-    steps = 0
-    epoch_losses: list[float] = []
-    for _ in range(epochs):
-        order = torch.randperm(count, generator=generator)
-        epoch_losses = []
-        for start in range(0, count, batch):
-            chosen = order[start : start + batch]
-            if lr_decay:  # client_update's time-based decay, step for step
-                optimizer.param_groups[0]["lr"] = lr / (1.0 + lr_decay * (start_iteration + steps))
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(forward(inputs[chosen]), targets[chosen])
-            loss.backward()
-            for m in masks.values():
-                # A zero gradient leaves an entry bit-for-bit unchanged under plain SGD.
-                m.parameter.grad.mul_(m.weights)
-            optimizer.step()
-            epoch_losses.append(loss.item())
-            steps += 1
+    def mask_gradients() -> None:
+        for m in masks.values():
+            # A zero gradient leaves an entry bit-for-bit unchanged under plain SGD.
+            m.parameter.grad.mul_(m.weights)
+
+    steps, epoch_losses = sgd_epochs(forward, trainable, inputs, targets, batch=batch, epochs=epochs, lr=lr,
+                                     generator=generator, lr_decay=lr_decay, start_iteration=start_iteration,
+                                     after_backward=mask_gradients)
 
     # The low_rank delta is defined by the same product the server computes, and
     # the model is left at w_global + that delta.

@@ -11,6 +11,7 @@ The thread count is deliberately left alone: the node decides it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,6 +55,58 @@ def _check_local_data(images_u8: np.ndarray, labels: np.ndarray) -> int:
     return count
 
 
+def _prepared(images_u8: np.ndarray, labels: np.ndarray, epochs: int, batch_size: int | None):
+    """Checked arguments of a ClientUpdate: (n, batch size, input tensor, label tensor)."""
+    count = _check_local_data(images_u8, labels)
+    if epochs <= 0:
+        raise ValueError(f"epochs must be positive, got {epochs}")
+    if batch_size is not None and batch_size < 0:
+        raise ValueError(f"batch_size must be None, 0 or positive, got {batch_size}")
+    batch = count if not batch_size else min(batch_size, count)
+    # Converted once per call, not per batch.
+    return count, batch, to_tensor_images(images_u8), _to_tensor_labels(labels)
+
+
+def sgd_epochs(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    parameters,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    batch: int,
+    epochs: int,
+    lr: float,
+    generator: torch.Generator,
+    lr_decay: float = 0.0,
+    start_iteration: int = 0,
+    after_backward: Callable[[], None] | None = None,
+) -> tuple[int, list[float]]:
+    """Algorithm 1's inner loops: E epochs, each a fresh permutation from ``generator``
+    cut into minibatches; one plain SGD step (no momentum, no weight decay) per batch.
+    ``after_backward`` may edit gradients (a structured update's mask). Returns the
+    steps taken and the last epoch's minibatch losses."""
+    optimizer = torch.optim.SGD(parameters, lr=lr, momentum=0.0, weight_decay=0.0)
+    count = len(targets)
+    steps = 0
+    epoch_losses: list[float] = []
+    for _ in range(epochs):
+        order = torch.randperm(count, generator=generator)
+        epoch_losses = []
+        for start in range(0, count, batch):
+            chosen = order[start : start + batch]
+            if lr_decay:
+                optimizer.param_groups[0]["lr"] = lr / (1.0 + lr_decay * (start_iteration + steps))
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(forward(inputs[chosen]), targets[chosen])
+            loss.backward()
+            if after_backward is not None:
+                after_backward()
+            optimizer.step()
+            epoch_losses.append(loss.item())
+            steps += 1
+    return steps, epoch_losses
+
+
 def client_update(
     model: nn.Module,
     images_u8: np.ndarray,
@@ -76,35 +129,11 @@ def client_update(
     ``lr_decay`` is Keras' time-based decay, as Nilsson et al. used it: step i (counted
     over the client's life, from ``start_iteration``) uses lr / (1 + lr_decay * i).
     """
-    count = _check_local_data(images_u8, labels)
-    if epochs <= 0:
-        raise ValueError(f"epochs must be positive, got {epochs}")
-    if batch_size is not None and batch_size < 0:
-        raise ValueError(f"batch_size must be None, 0 or positive, got {batch_size}")
-    batch = count if not batch_size else min(batch_size, count)
-
-    inputs = to_tensor_images(images_u8)
-    targets = _to_tensor_labels(labels)
-    # Plain SGD, as in the paper: no momentum, no weight decay.
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
+    count, batch, inputs, targets = _prepared(images_u8, labels, epochs, batch_size)
     model.train()
-
-    steps = 0
-    epoch_losses: list[float] = []
-    for _ in range(epochs):
-        order = torch.randperm(count, generator=generator)
-        epoch_losses = []
-        for start in range(0, count, batch):
-            chosen = order[start : start + batch]
-            if lr_decay:
-                optimizer.param_groups[0]["lr"] = lr / (1.0 + lr_decay * (start_iteration + steps))
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(inputs[chosen]), targets[chosen])
-            loss.backward()
-            optimizer.step()
-            epoch_losses.append(loss.item())
-            steps += 1
-
+    steps, epoch_losses = sgd_epochs(model, model.parameters(), inputs, targets, batch=batch, epochs=epochs,
+                                     lr=lr, generator=generator, lr_decay=lr_decay,
+                                     start_iteration=start_iteration)
     return TrainResult(
         weights=get_flat(model),
         num_samples=count,
