@@ -42,7 +42,7 @@ def test_integer_for_a_float_key_is_accepted():
     ("algorithm.E=true", "algorithm.E = True must be an integer"),
     ("run.rounds=-3", "run.rounds = -3 is out of range; it must be > 0"),
     ("algorithm.lr=nan", "algorithm.lr = nan must be finite"),
-    ("algorithm.quorum=11", "algorithm.quorum = 11 exceeds the m = max(C*K, 1) = 10 clients"),
+    ("algorithm.quorum=11", "algorithm.quorum = 11 exceeds the 10 clients selected per round (m = max(C*K, 1)"),
     ("algorithmC=1", "must look like section.key=value"),
 ])
 def test_bad_values_name_the_key_and_what_it_accepts(override, message):

@@ -245,7 +245,7 @@ def test_heartbeats_flow_while_a_process_hogs_the_cpu(procs, broker, node):
 
     def watch(proc):
         # The peer watches a process of the busy node: no DOWN may arrive.
-        ref = proc.monitor(whereis(proc, "peer/echo"))
+        proc.monitor(whereis(proc, "peer/echo"))
         return proc.receive(Down, timeout=3 * HEARTBEAT_TIMEOUT)
 
     assert run_in_process(node, watch) is TIMEOUT

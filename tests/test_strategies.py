@@ -1,13 +1,25 @@
 import numpy as np
 import pytest
 
-from fedemu.server.strategies import FedAvg, FedSGD, make, weighted_average
-from fedemu.worker.protocol import GRADIENT, TRAIN, TrainReply
+from fedemu.server.strategies import FSVRG, FedAvg, FedSGD, make, weighted_average
+from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 
 def reply(update, n, task=TRAIN):
     return TrainReply(round=1, client=0, task=task, update=np.asarray(update, np.float32),
                       num_samples=n, train_loss=0.0, compute_s=0.0)
+
+
+class Phases:
+    """Stands in for the round engine's run_phase: records each request, answers from a script."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = []
+
+    def __call__(self, task, lr, **extra):
+        self.calls.append((task, lr, extra))
+        return self.answers.pop(0)
 
 
 def test_weighted_average_by_sample_counts_hand_computed():
@@ -25,26 +37,41 @@ def test_weighted_average_rejects_nothing_to_average():
 
 
 def test_fedavg_averages_only_the_arrivals():
-    w = np.zeros(3, np.float32)
-    new = FedAvg(lr=0.1).aggregate(w, [reply([3, 3, 3], 600), reply([0, 6, 9], 200)], 1)
+    phases = Phases([reply([3, 3, 3], 600), reply([0, 6, 9], 200)])
+    new = FedAvg(lr=0.1, lr_decay=1e-4).run_round(phases, np.zeros(3, np.float32), 1)
     np.testing.assert_allclose(new, [2.25, 3.75, 4.5], atol=1e-6)
+    # The clients get the base rate and the decay: they count their own iterations.
+    assert phases.calls == [(TRAIN, 0.1, {"lr_decay": 1e-4})]
 
 
-def test_fedsgd_steps_along_the_weighted_gradient():
+def test_a_round_without_quorum_keeps_the_model():
+    assert FedAvg(lr=0.1).run_round(Phases(None), np.zeros(3, np.float32), 1) is None
+    assert FSVRG(lr=0.1, h=4.0).run_round(Phases(None), np.zeros(3, np.float32), 1) is None
+
+
+def test_fedsgd_steps_along_the_weighted_gradient_with_per_round_decay():
     w = np.array([1.0, 1.0], np.float32)
-    strategy = FedSGD(lr=0.5)
-    assert strategy.task == GRADIENT
-    new = strategy.aggregate(w, [reply([2, 0], 1, GRADIENT), reply([0, 4], 3, GRADIENT)], 1)
+    phases = Phases([reply([2, 0], 1, GRADIENT), reply([0, 4], 3, GRADIENT)])
+    new = FedSGD(lr=0.5).run_round(phases, w, 1)
     # g = (1*[2,0] + 3*[0,4]) / 4 = [0.5, 3]; w - 0.5 g = [0.75, -0.5]
     np.testing.assert_allclose(new, [0.75, -0.5], atol=1e-6)
+    assert phases.calls[0][0] == GRADIENT
+    decayed = FedSGD(lr=0.088, lr_decay=3.2e-6)
+    assert decayed.learning_rate(1001) == pytest.approx(0.088 / (1 + 3.2e-6 * 1000))
 
 
-def test_keras_style_learning_rate_decay():
-    s = FedAvg(lr=0.088, lr_decay=3.2e-6)
-    assert s.learning_rate(1) == pytest.approx(0.088)
-    assert s.learning_rate(1001) == pytest.approx(0.088 / (1 + 3.2e-6 * 1000))
+def test_fsvrg_sends_the_weighted_full_gradient_then_averages_the_models():
+    w = np.zeros(2, np.float32)
+    phases = Phases([reply([1, 0], 100, GRADIENT), reply([0, 1], 300, GRADIENT)],
+                    [reply([4, 4], 100, SVRG), reply([8, 0], 300, SVRG)])
+    new = FSVRG(lr=0.1, h=4.0).run_round(phases, w, 1)
+    (task1, _, extra1), (task2, h, extra2) = phases.calls
+    assert (task1, task2, h) == (GRADIENT, SVRG, 4.0)
+    np.testing.assert_allclose(extra2["full_gradient"], [0.25, 0.75])  # n_k / n weighted
+    np.testing.assert_allclose(new, [7.0, 1.0])
+    assert FSVRG.selects_all and not FedAvg.selects_all
 
 
 def test_unknown_algorithm_is_named():
-    with pytest.raises(ValueError, match="unknown algorithm 'coop'; round-based ones are fedavg, fedsgd"):
+    with pytest.raises(ValueError, match="unknown algorithm 'coop'; round-based ones are fedavg, fedsgd, fsvrg"):
         make("coop", 0.1)

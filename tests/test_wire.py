@@ -24,7 +24,10 @@ def test_message_classes_pids_and_arrays_round_trip():
     assert got["pids"] == [SRC, DST] and isinstance(got["pids"][0], Pid)
     assert got["n"] == 4
     # The array travelled as its own raw frame, not inside the msgpack body.
-    assert len(frames) == 3 and len(frames[2]) == weights.nbytes and len(frames[1]) < 200
+    # (the 48-byte array is far smaller than the body here; what matters is that its
+    # bytes are a frame of their own and not inside the body)
+    assert len(frames) == 3 and len(frames[2]) == weights.nbytes
+    assert weights.tobytes() not in frames[1]
 
 
 def test_arrays_are_not_copied_on_either_side():
