@@ -30,6 +30,12 @@ class Pair:
         self.server_node = Node("server-node", broker).start()
         self.arrivals: list[tuple[float, object]] = []
         self.server = self.server_node.spawn(self._collect, name="server")
+        # Another node registers "server": until the broker knows the name, a message to
+        # it is dropped before it enters the link (and before the link's counter moves).
+        deadline = time.monotonic() + 10
+        while self.client_node.whereis("server") is None:
+            assert time.monotonic() < deadline, "server never registered"
+            time.sleep(0.02)
 
     def _collect(self, proc):
         while True:
