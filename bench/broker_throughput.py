@@ -83,7 +83,8 @@ class Relay:
         while not endpoint_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"{kind} relay did not start; see {workdir / (kind + '.out')}")
+                output = (workdir / f"{kind}.out").read_text(errors="replace").strip()
+                raise RuntimeError(f"{kind} relay did not start:\n{output[-2000:] or '(no output)'}")
             time.sleep(0.02)
         self.endpoint = endpoint_file.read_text().strip()
 

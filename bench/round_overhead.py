@@ -49,6 +49,12 @@ def load_average() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
+def _tail(path: Path, lines: int = 15) -> str:
+    """The end of a log, for an error message: the temporary folder goes away on exit."""
+    text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return "\n".join(text[-lines:]) or "(no output)"
+
+
 # --- the plain loop (runs in a subprocess: `round_overhead.py --plain-loop`) ---------------
 
 
@@ -114,7 +120,7 @@ def run_plain(rounds: int, threads: int | None, log: Path) -> dict:
     with open(log, "wb") as err:
         out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, check=False, timeout=RUN_TIMEOUT_S)
     if out.returncode != 0:
-        raise RuntimeError(f"the plain loop failed ({out.returncode}); see {log}")
+        raise RuntimeError(f"the plain loop failed ({out.returncode}):\n{_tail(log)}")
     return json.loads(out.stdout)
 
 
@@ -132,7 +138,8 @@ def run_fedemu(rounds: int, run_dir: Path, extra: list[str]) -> dict:
     events = read_events(run_dir)
     round_events = [e for e in events if e["event"] == "round"]
     if proc.returncode != 0 or len(round_events) != rounds:
-        raise RuntimeError(f"fedemu launch failed ({proc.returncode}, {len(round_events)} rounds); see {log}")
+        raise RuntimeError(f"fedemu launch failed ({proc.returncode}, {len(round_events)} of {rounds} rounds):\n"
+                           f"{_tail(log)}")
     workers = next(len(e["placement"]) for e in events if e["event"] == "start")
     return {"round_s": [e["round_s"] for e in round_events], "accuracy": round_events[-1]["accuracy"],
             "workers": workers, "argv": argv[2:]}
