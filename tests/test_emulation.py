@@ -91,27 +91,23 @@ def test_bandwidth_limited_link_delivers_back_to_back_messages_at_the_rate(procs
     assert span == pytest.approx((count - 1) * size / rate, rel=0.1)
 
 
-def test_fifo_holds_under_jitter(procs):
-    broker = start_broker(procs, {"default_profile": "jittery",
-                                  "profiles": {"jittery": {"latency_ms": 30, "jitter_ms": 25}}})
-    pair = Pair(broker)
+def numbers_through(procs: Procs, profile: dict, count: int) -> list:
+    """Send 0..count-1 up one link with ``profile``; the bodies in arrival order."""
+    pair = Pair(start_broker(procs, {"default_profile": "p", "profiles": {"p": profile}}))
     try:
-        pair.send_up(list(range(500)))
-        got = [body for _, body in pair.wait(500, 10)]
+        pair.send_up(list(range(count)))
+        return [body for _, body in pair.wait(count, 10)]
     finally:
         pair.close()
+
+
+def test_fifo_holds_under_jitter(procs):
+    got = numbers_through(procs, {"latency_ms": 30, "jitter_ms": 25}, 500)
     assert got == list(range(500))
 
 
 def test_reorder_lets_jitter_reorder(procs):
-    broker = start_broker(procs, {"default_profile": "r", "profiles": {
-        "r": {"latency_ms": 30, "jitter_ms": 25, "reorder": True}}})
-    pair = Pair(broker)
-    try:
-        pair.send_up(list(range(300)))
-        got = [body for _, body in pair.wait(300, 10)]
-    finally:
-        pair.close()
+    got = numbers_through(procs, {"latency_ms": 30, "jitter_ms": 25, "reorder": True}, 300)
     assert sorted(got) == list(range(300)) and got != list(range(300))
 
 
