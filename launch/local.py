@@ -47,6 +47,7 @@ class LocalRun:
         self.workers = workers
         self.echo = echo
         self.procs: dict[str, subprocess.Popen] = {}
+        self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
         self._events_offset = 0
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
@@ -58,14 +59,28 @@ class LocalRun:
         return proc
 
     def start(self) -> None:
+        endpoint = self._start_broker("tcp://127.0.0.1:0")
+        self._start_server(endpoint)
+        for i in range(self.workers):
+            self._start(f"worker-{i}", "node", "worker", "--index", str(i), *self._node_args(endpoint))
+
+    def _keys_args(self) -> list[str]:
+        return ["--keys", str(self.keys_file)] if self.keys_file else []
+
+    def _node_args(self, endpoint: str) -> list[str]:
+        return ["--broker", endpoint, "--run-dir", str(self.run_dir), "--workers", str(self.workers),
+                *self._keys_args()]
+
+    def _start_broker(self, bind: str) -> str:
+        """Start the broker; returns the address it bound."""
         run = self.config["run"]
         endpoint_file = self.run_dir / "broker.endpoint"
         network_file = self.run_dir / "network.json"
         network_file.write_text(json.dumps(configuration.broker_network_file(self.config), indent=1))
-        broker = self._start("broker", "broker", "--bind", "tcp://127.0.0.1:0", "--endpoint-file", str(endpoint_file),
+        broker = self._start("broker", "broker", "--bind", bind, "--endpoint-file", str(endpoint_file),
                              "--heartbeat-interval", str(run["heartbeat_interval_s"]),
                              "--heartbeat-timeout", str(run["heartbeat_timeout_s"]),
-                             "--network", str(network_file))
+                             "--network", str(network_file), *self._keys_args())
         deadline = time.monotonic() + 30
         while not endpoint_file.exists():
             if broker.poll() is not None:
@@ -73,11 +88,10 @@ class LocalRun:
             if time.monotonic() > deadline:
                 raise LaunchError("the broker did not start within 30s")
             time.sleep(0.05)
-        endpoint = endpoint_file.read_text().strip()
-        common = ["--broker", endpoint, "--run-dir", str(self.run_dir), "--workers", str(self.workers)]
-        self._start("server", "node", "server", *common)
-        for i in range(self.workers):
-            self._start(f"worker-{i}", "node", "worker", "--index", str(i), *common)
+        return endpoint_file.read_text().strip()
+
+    def _start_server(self, endpoint: str) -> None:
+        self._start("server", "node", "server", *self._node_args(endpoint))
 
     def follow(self) -> dict:
         """Print progress until the server node exits; returns the summary."""
@@ -89,9 +103,13 @@ class LocalRun:
                 if name != "server" and name not in reported and proc.poll() not in (None, 0):
                     reported.add(name)  # the server sees its clients DOWN; the user sees why
                     self.echo(f"warning: {name} exited with code {proc.returncode}: {self._tail(name)}")
+            self._check_remote()
             time.sleep(0.25)
         self._print_new_events()
         return self.summary()
+
+    def _check_remote(self) -> None:
+        """Hook for runs with nodes on other machines."""
 
     def _print_new_events(self) -> None:
         path = self.run_dir / EVENTS
@@ -110,8 +128,17 @@ class LocalRun:
         path = self.run_dir / SUMMARY
         if path.exists():
             return json.loads(path.read_text())
-        return {"status": "failed", "reason": f"the server node exited ({self.procs['server'].returncode}) "
-                f"without a summary: {self._tail('server')}"}
+        server = self.procs.get("server")
+        if server is None or server.poll() is None:
+            return {"status": "failed", "reason": "the server node did not finish"}
+        # The server node died (killed, crashed): record that in the run directory too, so
+        # tools that read summary.json see a failed run, not a missing one.
+        summary = {"status": "failed", "reason": f"the server node exited ({server.returncode}) "
+                   f"without a summary: {self._tail('server')}"}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, path)
+        return summary
 
     def _tail(self, name: str, lines: int = 5) -> str:
         path = self.run_dir / "logs" / f"{name}.out"
@@ -157,8 +184,9 @@ def format_event(event: dict, rounds: int) -> str:
 
 
 def launch(config_path: str | None, overrides: list[str], out: str | None, workers: int | None,
-           echo: Callable[[str], None] = print) -> tuple[Path, dict]:
-    """Run one configuration locally; returns (run directory, summary)."""
+           echo: Callable[[str], None] = print, machines=None) -> tuple[Path, dict]:
+    """Run one configuration, on this machine or with worker nodes on ``machines``
+    (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary)."""
     from fedemu.worker import data
 
     config = configuration.load(config_path, overrides)
@@ -169,7 +197,12 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     (run_dir / "config.toml").write_text(configuration.to_toml(config))
     data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
     echo(f"run directory: {run_dir}")
-    run = LocalRun(config, run_dir, workers, echo)
+    if machines is None:
+        run = LocalRun(config, run_dir, workers, echo)
+    else:
+        from .machines import MachinesRun
+
+        run = MachinesRun(config, run_dir, machines, echo, default_slots=workers if config["run"]["workers"] else None)
     try:
         run.start()
         summary = run.follow()

@@ -163,3 +163,40 @@ def test_a_silent_worker_makes_stragglers_not_a_hang(tmp_path):
         assert 2.0 <= e["round_s"] < 10
     time.sleep(1)
     assert processes_of(run_dir) == []
+
+
+def broker_pid(run_dir: Path) -> int:
+    out = subprocess.run(["pgrep", "-f", "--", f"fedemu.launch broker .*{run_dir}"], capture_output=True,
+                         text=True).stdout.split()
+    assert len(out) == 1, f"expected one broker process, found {out}"
+    return int(out[0])
+
+
+def test_a_lost_broker_fails_the_run_and_keeps_its_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=1000", "run.heartbeat_timeout_s=2.0")
+    wait_for_round(run_dir, 2, proc)
+    os.kill(broker_pid(run_dir), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", output
+    assert "broker" in summary["reason"]
+    events = read_events(run_dir)
+    assert [e["round"] for e in events if e["event"] == "round"][:2] == [1, 2]  # nothing written was lost
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "failed"
+    assert processes_of(run_dir) == []
+
+
+def test_a_lost_server_fails_the_run_and_keeps_its_log(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=1000")
+    wait_for_round(run_dir, 2, proc)
+    os.kill(node_pid(run_dir, "server"), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", output
+    assert "server node exited (-9)" in summary["reason"]
+    assert [e["round"] for e in read_events(run_dir) if e["event"] == "round"][:2] == [1, 2]
+    assert processes_of(run_dir) == []
