@@ -23,16 +23,36 @@ def main() -> None:
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config entry.")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: run.out/<time>-<algorithm>-...).")
-@click.option("--workers", type=int, help="Worker nodes (OS processes); default: number of cores.")
-def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None) -> None:
-    """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine."""
+@click.option("--workers", type=int,
+              help="Worker nodes (OS processes); default: number of cores. With --machines: per host without slots=.")
+@click.option("--machines", help="Worker hosts over SSH: [user@]host[:port],... (broker and server stay here).")
+@click.option("--hostfile", type=click.Path(dir_okay=False),
+              help="Worker hosts, one per line: [user@]host[:port] [slots=N] [python=PATH].")
+@click.option("--ssh-config", type=click.Path(dir_okay=False, exists=True),
+              help="An ssh_config file for the hosts (ssh -F); default: your ~/.ssh/config.")
+@click.option("--advertise", help="Address the hosts use to reach the broker; default: this machine as SSH sees it.")
+@click.option("--remote-python", help="Python with fedemu on the hosts; default: this interpreter's path.")
+def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None,
+           machines: str | None, hostfile: str | None, ssh_config: str | None, advertise: str | None,
+           remote_python: str | None) -> None:
+    """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
+    with worker nodes on other machines (--machines / --hostfile)."""
     from fedemu.worker.data import DatasetError
 
+    from .hosts import HostError, parse_hostfile, parse_machines
     from .local import LaunchError, launch as run_local
 
     try:
-        run_dir, summary = run_local(config_file, list(overrides), out, workers)
-    except (configuration.ConfigError, LaunchError, DatasetError) as exc:
+        spread = None
+        if machines and hostfile:
+            raise LaunchError("give either --machines or --hostfile, not both")
+        if machines or hostfile:
+            from .machines import Machines
+
+            hosts = parse_machines(machines) if machines else parse_hostfile(hostfile)
+            spread = Machines(hosts, ssh_config=ssh_config, advertise=advertise, remote_python=remote_python)
+        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=spread)
+    except (configuration.ConfigError, LaunchError, DatasetError, HostError) as exc:
         raise _config_error(exc) from None
     click.echo(f"summary: {json.dumps(summary)}")
     click.echo(f"run directory: {run_dir}")
@@ -93,14 +113,17 @@ def data_list(cache_dir: str | None) -> None:
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--network", "network_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="JSON {num_clients, seed, network: <the config's [network] section>} to emulate.")
+@click.option("--keys", "keys_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="The run's CURVE keys: accept only nodes that hold them.")
 def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-           max_message_bytes: int, log_dir: Path | None, network_file: Path | None) -> None:
+           max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None) -> None:
     """Run the message broker that every node connects to."""
     from .nodes import run_broker, setup_logging
 
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
     try:
-        run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file)
+        run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,
+                   keys_file)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -111,12 +134,35 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--workers", type=int, required=True)
 @click.option("--index", type=int, default=0)
-def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int) -> None:
+@click.option("--keys", "keys_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--log-stream", is_flag=True, help="Log to stderr only (a host agent streams it back).")
+def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
+         log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
     from .nodes import run_server_node, run_worker_node, setup_logging
 
     name = "server" if role == "server" else f"worker-{index}"
-    setup_logging(run_dir, name)
+    setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
     if role == "server":
-        sys.exit(run_server_node(broker_addr, run_dir, workers))
-    sys.exit(run_worker_node(broker_addr, run_dir, index, workers))
+        sys.exit(run_server_node(broker_addr, run_dir, workers, keys_file))
+    sys.exit(run_worker_node(broker_addr, run_dir, index, workers, keys_file))
+
+
+@main.command(hidden=True)
+@click.option("--dataset", required=True)
+@click.option("--cache-dir")
+@click.option("--broker-port", type=int)
+@click.option("--broker-address")
+def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None) -> None:
+    """Check this host for a multi-machine run; print one JSON line (run over SSH)."""
+    from .agent import preflight as check_host
+
+    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address)))
+
+
+@main.command("host-agent", hidden=True)
+def host_agent() -> None:
+    """Start and supervise this host's worker nodes (run over SSH by `fedemu launch --machines`)."""
+    from .agent import run_agent
+
+    sys.exit(run_agent())

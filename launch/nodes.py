@@ -24,9 +24,9 @@ from fedemu.node.links import NetworkSpec
 log = logging.getLogger("fedemu.launch")
 
 
-def setup_logging(run_dir: Path | None, name: str, verbose: bool = False) -> None:
+def setup_logging(run_dir: Path | None, name: str, verbose: bool = False, stream_info: bool = False) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    handlers[0].setLevel(logging.DEBUG if verbose else logging.WARNING)
+    handlers[0].setLevel(logging.DEBUG if verbose else logging.INFO if stream_info else logging.WARNING)
     if run_dir is not None:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(run_dir / "logs" / f"{name}.log")
@@ -41,13 +41,14 @@ def setup_logging(run_dir: Path | None, name: str, verbose: bool = False) -> Non
 
 
 def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-               max_message_bytes: int, network_file: Path | None = None) -> None:
+               max_message_bytes: int, network_file: Path | None = None, keys_file: Path | None = None) -> None:
     network = None
     if network_file is not None:
         spec = json.loads(network_file.read_text())
         network = NetworkSpec.from_config(spec["network"], spec["num_clients"], spec["seed"], spec["time_scale"])
     broker = Broker(bind, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                    max_message_bytes=max_message_bytes, network=network)
+                    max_message_bytes=max_message_bytes, network=network,
+                    **({"keys": _keys(keys_file)} if keys_file else {}))
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")
         tmp.write_text(broker.endpoint + "\n")
@@ -62,10 +63,19 @@ def read_config(run_dir: Path) -> dict:
     return tomllib.loads((run_dir / "config.toml").read_text())
 
 
-def _node(name: str, broker: str, config: dict, pool_size: int = 1) -> Node:
+def _keys(keys_file: Path | None):
+    if keys_file is None:
+        return None
+    from fedemu.node.security import RunKeys
+
+    return RunKeys.load(keys_file)
+
+
+def _node(name: str, broker: str, config: dict, keys_file: Path | None = None) -> Node:
     run = config["run"]
+    secured = {"keys": _keys(keys_file)} if keys_file else {}
     return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
-                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=pool_size).start()
+                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, **secured).start()
 
 
 def _set_torch_threads(config: dict, workers: int) -> None:
@@ -76,7 +86,7 @@ def _set_torch_threads(config: dict, workers: int) -> None:
     torch.set_num_interop_threads(1)
 
 
-def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
+def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import strategies
     from fedemu.server.async_engine import ASYNC_RULES, AsyncEngine, make_rule
@@ -108,7 +118,10 @@ def run_server_node(broker: str, run_dir: Path, workers: int) -> int:
         strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"], algo["h"])
         engine = RoundEngine(settings, strategy, model_name, dataset, runlog)
     warm_up(dataset, np.arange(10), model_name)  # round 1's evaluation is not a cold start
-    node = _node("server", broker, config)
+    machines = run_dir / "machines.json"
+    if machines.exists():  # where every client runs is part of the experiment (Nilsson)
+        runlog.event("machines", **json.loads(machines.read_text()))
+    node = _node("server", broker, config, keys_file)
     result: dict = {}
     pid = node.spawn(lambda proc: result.update(engine.run(proc)), name="server")
 
@@ -137,7 +150,7 @@ def _compression(config: dict) -> dict | None:
     return spec.to_dict() if spec.structured != "none" or spec.sketched else None
 
 
-def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int:
+def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
     from fedemu.launch.config import network_parts
     from fedemu.worker import data, partition
     from fedemu.worker.client import host_clients, placement
@@ -149,7 +162,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int) -> int
     dataset = data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None)
     opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
     shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"], config["run"]["seed"], **opts)
-    node = _node(f"worker-{index}", broker, config)
+    node = _node(f"worker-{index}", broker, config, keys_file)
     for sig in (signal.SIGINT, signal.SIGTERM):
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown).

@@ -1,0 +1,196 @@
+"""What fedemu runs on a remote host, over SSH: the preflight and the host agent.
+
+The **preflight** answers, as one JSON line, everything the launcher must know before it
+starts anything there: the fedemu version and code digest, Python and torch, the data
+set, the core count, and whether the broker's port is reachable from that host.
+
+The **host agent** starts this host's worker nodes and supervises them. Its stdin is the
+SSH session: the first line is the launch bundle (JSON), a later ``stop`` line or the end
+of stdin (the launcher or its link is gone) stops every worker node, so no process
+outlives the run. Its stdout streams the nodes' output back, one line per record::
+
+    started NAME PID | out NAME TEXT | exit NAME CODE | error TEXT
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("fedemu.node", "fedemu.server", "fedemu.worker", "fedemu.launch")
+
+
+def fedemu_version() -> str:
+    try:
+        return metadata.version("fedemu")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def code_digest() -> str:
+    """A digest of fedemu's source, so two installs of one version number but different
+    code (an edited checkout) are caught before they exchange messages."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in PACKAGES:
+        folder = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.toml")):
+            digest.update(f"{package}/{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _launcher_address() -> str | None:
+    """The address this host sees the launcher's SSH connection come from: an address
+    of the launcher's machine that is routable from here."""
+    words = os.environ.get("SSH_CONNECTION", "").split()
+    return words[0] if words else None
+
+
+def _reachable(address: str, port: int, timeout: float = 5.0) -> str | None:
+    """None if a TCP connection to address:port succeeds, else the reason."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None) -> dict:
+    report: dict = {"fedemu": fedemu_version(), "code": code_digest(), "python": sys.version.split()[0],
+                    "executable": sys.executable, "cores": os.cpu_count() or 1, "problems": []}
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+    except ImportError as exc:
+        report["problems"].append(f"torch cannot be imported ({exc})")
+    from fedemu.worker import data
+
+    try:
+        # Quiet: the preflight's stdout is one JSON line; fetching shows nothing.
+        report["dataset"] = str(data.fetch(dataset, cache_dir or None, progress=lambda _: None))
+    except data.DatasetError as exc:
+        report["problems"].append(f"data set {dataset!r} is neither cached nor fetchable: {exc}")
+    address = broker_address or _launcher_address()
+    report["broker_address"] = address
+    if broker_port is not None:
+        if address is None:
+            report["problems"].append("cannot tell the launcher's address (no SSH_CONNECTION); pass --advertise")
+        else:
+            reason = _reachable(address, broker_port)
+            if reason:
+                report["problems"].append(f"the broker at {address}:{broker_port} is unreachable from here ({reason})")
+    return report
+
+
+# --- the host agent ------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the agent dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the stdin-EOF path still stops the nodes
+
+
+class HostAgent:
+    def __init__(self, bundle: dict, out=sys.stdout) -> None:
+        self.bundle = bundle
+        self.out = out
+        self._lock = threading.Lock()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"fedemu-{bundle['run_id']}-"))
+        self.stopping = threading.Event()
+
+    def emit(self, kind: str, *words: object) -> None:
+        with self._lock:
+            self.out.write(" ".join([kind, *map(str, words)]) + "\n")
+            self.out.flush()
+
+    def start(self) -> None:
+        b = self.bundle
+        (self.run_dir / "config.toml").write_text(b["config_toml"])
+        keys_path = self.run_dir / "run.keys"
+        fd = os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(b["keys"])
+        for index in b["indices"]:
+            name = f"worker-{index}"
+            argv = [sys.executable, "-m", "fedemu.launch", "node", "worker", "--index", str(index),
+                    "--broker", b["broker"], "--run-dir", str(self.run_dir), "--workers", str(b["workers"]),
+                    "--keys", str(keys_path), "--log-stream"]
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent, text=True, errors="replace")
+            self.procs[name] = proc
+            self.emit("started", name, proc.pid)
+            threading.Thread(target=self._forward, args=(name, proc), daemon=True).start()
+
+    def _forward(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.emit("out", name, line.rstrip("\n"))
+        self.emit("exit", name, proc.wait())
+
+    def stop(self, grace: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # it holds the run's keys
+
+    def serve(self, commands) -> int:
+        """Run until every node exits, or ``stop`` / end of input / a signal arrives."""
+        stopping = self.stopping
+
+        def read_commands() -> None:
+            for line in commands:
+                if line.strip() == "stop":
+                    break
+            stopping.set()
+
+        threading.Thread(target=read_commands, daemon=True).start()
+        try:
+            self.start()
+            while not stopping.is_set() and any(p.poll() is None for p in self.procs.values()):
+                stopping.wait(0.2)
+        finally:
+            self.stop()
+            self.cleanup()
+        return 0
+
+
+def run_agent() -> int:
+    line = sys.stdin.readline()
+    try:
+        bundle = json.loads(line)
+    except json.JSONDecodeError:
+        print(f"error the first line is not a launch bundle: {line[:80]!r}", flush=True)
+        return 2
+    agent = HostAgent(bundle)
+    # SIGHUP/SIGTERM from sshd mean the session is gone: stop the nodes, as on EOF.
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stopping.set())
+    return agent.serve(sys.stdin)

@@ -1,0 +1,285 @@
+"""A run across machines: broker and server here, worker nodes on each host over SSH.
+
+Order of a launch, so that a failure leaves nothing running anywhere:
+
+1. make the run's CURVE keys (the broker accepts only nodes holding them);
+2. start the broker here, listening on every interface;
+3. preflight every host at once (version, code digest, Python, torch, data set, and the
+   broker's port reached from there); any problem stops the broker and names the host;
+4. place worker nodes on hosts (slots, in host order) and record it in ``machines.json``;
+5. start the server here and one host agent per host; the agent starts and supervises
+   that host's worker nodes and streams their output into ``logs/worker-N.out``.
+
+Ending the run, Ctrl-C, or a lost SSH session stops the agents, and an agent that loses
+its session stops its nodes, so no process outlives the run on any host.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from fedemu.worker.client import placement
+
+from .agent import code_digest, fedemu_version
+from .hosts import Host, ssh_argv
+from .local import LaunchError, LocalRun
+
+PREFLIGHT_TIMEOUT_S = 600  # a first fetch of the data set on a host may take minutes
+
+
+@dataclass
+class Machines:
+    """How to reach the hosts of a multi-machine run."""
+
+    hosts: list[Host]
+    ssh_config: str | None = None  # an ssh -F file; default: the user's ~/.ssh/config
+    advertise: str | None = None  # the address hosts use for the broker; default: as SSH sees us
+    remote_python: str | None = None  # default: this interpreter's path on every host
+    bind: str = "0.0.0.0"
+    ssh_options: list[str] = field(default_factory=list)
+
+    def python_for(self, host: Host) -> str:
+        return host.python or self.remote_python or sys.executable
+
+    def ssh(self, host: Host, remote: list[str]) -> list[str]:
+        argv = ssh_argv(host, remote, self.ssh_config)
+        return argv[:1] + self.ssh_options + argv[1:]
+
+
+def _first_line_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str, broker_port: int) -> dict:
+    """Run the preflight on ``host``; returns its report with ``problems`` filled in."""
+    python = machines.python_for(host)
+    remote = [python, "-m", "fedemu.launch", "preflight", "--dataset", dataset, "--broker-port", str(broker_port)]
+    if cache_dir:
+        remote += ["--cache-dir", cache_dir]
+    if machines.advertise:
+        remote += ["--broker-address", machines.advertise]
+    try:
+        done = subprocess.run(machines.ssh(host, remote), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=PREFLIGHT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"problems": [f"the preflight did not answer within {PREFLIGHT_TIMEOUT_S}s"]}
+    report = _first_line_json(done.stdout)
+    stderr = " | ".join(done.stderr.strip().splitlines()[-3:])
+    if done.returncode == 255 and report is None:
+        return {"problems": [f"unreachable over SSH: {stderr or 'ssh exited with 255'}"]}
+    if report is None:
+        if "No module named" in done.stderr:
+            why = f"fedemu is not installed for {python} ({stderr})"
+        elif done.returncode == 127:
+            why = f"{python} not found ({stderr})"
+        else:
+            why = f"the preflight failed with exit code {done.returncode}: {stderr or done.stdout[-300:]}"
+        return {"problems": [why]}
+    if report.get("code") != code_digest():
+        report["problems"].append(
+            f"its fedemu {report.get('fedemu')} (code {report.get('code')}) differs from this machine's "
+            f"{fedemu_version()} (code {code_digest()}); install the same version on every host")
+    return report
+
+
+def assign_workers(hosts: list[Host], cores: dict[Host, int], default_slots: int | None) -> dict[Host, list[int]]:
+    """Worker node indices per host: each host's slots (its ``slots=``, else
+    ``default_slots``, else its core count), numbered in host order."""
+    assignment: dict[Host, list[int]] = {}
+    next_index = 0
+    for host in hosts:
+        slots = host.slots or default_slots or cores.get(host, 1)
+        assignment[host] = list(range(next_index, next_index + slots))
+        next_index += slots
+    return assignment
+
+
+class RemoteHost:
+    """The SSH session to one host's agent, and the output it streams back."""
+
+    def __init__(self, host: Host, run_dir: Path, echo: Callable[[str], None]) -> None:
+        self.host = host
+        self.run_dir = run_dir
+        self.echo = echo
+        self.proc: subprocess.Popen | None = None
+        self.exits: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
+        self.lost_reported = False
+        self._reader: threading.Thread | None = None
+
+    def start(self, argv: list[str], bundle: dict) -> None:
+        ssh_log = open(self.run_dir / "logs" / f"ssh-{self.host.label}.log", "ab")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_log,
+                                     text=True, errors="replace")
+        ssh_log.close()
+        self.proc.stdin.write(json.dumps(bundle) + "\n")
+        self.proc.stdin.flush()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        logs: dict[str, object] = {}
+        try:
+            for line in self.proc.stdout:
+                kind, _, rest = line.rstrip("\n").partition(" ")
+                name, _, text = rest.partition(" ")
+                if kind == "out":
+                    if name not in logs:
+                        logs[name] = open(self.run_dir / "logs" / f"{name}.out", "a", encoding="utf-8")
+                    logs[name].write(text + "\n")
+                    logs[name].flush()  # a host that dies mid-run leaves its log up to then
+                elif kind == "started":
+                    self.pids[name] = int(text)
+                elif kind == "exit":
+                    self.exits[name] = int(text)
+                    if int(text) != 0:
+                        self.echo(f"warning: {name} on {self.host} exited with code {text}")
+                elif kind == "error":
+                    self.echo(f"warning: {self.host}: {rest}")
+        finally:
+            for f in logs.values():
+                f.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ssh_tail(self, lines: int = 3) -> str:
+        path = self.run_dir / "logs" / f"ssh-{self.host.label}.log"
+        text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+        return " | ".join(text[-lines:]) or "(no output)"
+
+    def request_stop(self) -> None:
+        if self.alive():
+            try:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            # Ending ssh ends the session; the agent sees end of input and stops its nodes.
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(5)
+
+
+class MachinesRun(LocalRun):
+    def __init__(self, config: dict, run_dir: Path, machines: Machines, echo: Callable[[str], None] = print,
+                 default_slots: int | None = None) -> None:
+        super().__init__(config, run_dir, 0, echo)
+        self.machines = machines
+        self.default_slots = default_slots
+        self.remotes: list[RemoteHost] = []
+
+    def start(self) -> None:
+        from fedemu.node.security import RunKeys
+
+        keys = RunKeys.generate()
+        self.keys_file = self.run_dir / "run.keys"
+        keys.save(self.keys_file)
+        endpoint = self._start_broker(f"tcp://{self.machines.bind}:0")
+        port = int(endpoint.rsplit(":", 1)[1])
+        reports = self.preflight(port)
+        assignment = assign_workers(self.machines.hosts, {h: r["cores"] for h, r in reports.items()},
+                                    self.default_slots)
+        self.workers = sum(len(indices) for indices in assignment.values())
+        clients = placement(self.config["data"]["clients"], self.workers)
+        record = {
+            "broker_port": port,
+            "server_host": "local",
+            "hosts": [{"host": str(h), "address": reports[h]["broker_address"], "workers": indices,
+                       "clients": [clients[i].start for i in indices[:1]] + [clients[indices[-1]].stop - 1],
+                       "fedemu": reports[h]["fedemu"], "torch": reports[h].get("torch"),
+                       "python": reports[h]["python"]} for h, indices in assignment.items()],
+        }
+        (self.run_dir / "machines.json").write_text(json.dumps(record, indent=1) + "\n")
+        for entry in record["hosts"]:
+            self.echo(f"host {entry['host']}: worker nodes {entry['workers']}, clients "
+                      f"{entry['clients'][0]}..{entry['clients'][1]}")
+        self._start_server(f"tcp://127.0.0.1:{port}")
+        run_id = secrets.token_hex(4)
+        keys_text = self.keys_file.read_text()
+        config_toml = (self.run_dir / "config.toml").read_text()
+        for host, indices in assignment.items():
+            remote = RemoteHost(host, self.run_dir, self.echo)
+            bundle = {"run_id": run_id, "config_toml": config_toml, "keys": keys_text,
+                      "broker": f"tcp://{reports[host]['broker_address']}:{port}",
+                      "workers": self.workers, "indices": indices}
+            remote.start(self.machines.ssh(host, [self.machines.python_for(host), "-m", "fedemu.launch",
+                                                  "host-agent"]), bundle)
+            self.remotes.append(remote)
+
+    def preflight(self, broker_port: int) -> dict[Host, dict]:
+        data = self.config["data"]
+        hosts = self.machines.hosts
+        self.echo(f"preflight on {len(hosts)} host(s) ...")
+        with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+            futures = {h: pool.submit(preflight_host, self.machines, h, data["dataset"], data["cache_dir"],
+                                      broker_port) for h in hosts}
+            reports = {h: f.result() for h, f in futures.items()}
+        failures = [f"  {h}: {problem}" for h, r in reports.items() for problem in r["problems"]]
+        if failures:
+            raise LaunchError("preflight failed; nothing was started:\n" + "\n".join(failures))
+        local_torch = _torch_version()
+        for host, report in reports.items():
+            if report.get("torch") != local_torch:  # runs, but results may differ in the last bits
+                self.echo(f"warning: {host} has torch {report.get('torch')}, this machine {local_torch}")
+        return reports
+
+    def _check_remote(self) -> None:
+        for remote in self.remotes:
+            if remote.lost_reported or remote.alive():
+                continue
+            remote.lost_reported = True
+            if remote._reader is not None:
+                remote._reader.join(2)  # its last lines say how the nodes ended
+            if not remote.pids or any(remote.exits.get(name) != 0 for name in remote.pids):
+                self.echo(f"warning: the session to {remote.host} ended (ssh exit {remote.proc.returncode}): "
+                          f"{remote.ssh_tail()}; the server sees its clients DOWN")
+
+    def stop(self, grace: float = 15.0) -> None:
+        server = self.procs.get("server")
+        if server is not None:
+            try:  # the server's shutdown tells every worker node to leave: let it
+                server.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for remote in self.remotes:
+            remote.request_stop()
+        deadline = time.monotonic() + grace
+        for remote in self.remotes:
+            remote.wait(max(0.1, deadline - time.monotonic()))
+        super().stop(grace)
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:
+        return None

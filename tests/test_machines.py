@@ -1,0 +1,200 @@
+"""`fedemu launch --machines`: worker nodes on other hosts over real SSH.
+
+The hosts are network namespaces on this machine, each with its own sshd (see
+testhosts.py); the launcher reaches them only through OpenSSH and their veth links.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedemu.launch.hosts import Host, HostError, parse_hostfile, parse_machines, ssh_argv
+from fedemu.launch.machines import assign_workers
+from fedemu.server.runlog import read_events
+
+from .testhosts import TestHosts, unavailable_reason
+
+# --- host lists (no hosts needed) ------------------------------------------------------
+
+
+def test_machines_list_parses_users_ports_and_keeps_order():
+    hosts = parse_machines("h1, alice@h2:2222,10.0.0.7")
+    assert hosts == [Host("h1"), Host("h2", "alice", 2222), Host("10.0.0.7")]
+    assert str(hosts[1]) == "alice@h2:2222"
+
+
+def test_hostfile_reads_slots_python_and_comments(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# lab machines\nh1 slots=2\n\nbob@h2:2200 python=/opt/venv/bin/python  # the big one\n")
+    assert parse_hostfile(path) == [Host("h1", slots=2), Host("h2", "bob", 2200, None, "/opt/venv/bin/python")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("h1 slots=0", "slots must be a positive integer"),
+    ("h1 cores=4", "unknown option 'cores=4'"),
+    ("h1:99999", "port 99999 is outside"),
+    ("h1\nh1", "listed twice"),
+    ("bad!host", "is not [user@]host[:port]"),
+    ("# nothing\n", "no hosts given"),
+])
+def test_a_bad_hostfile_names_the_line_and_the_problem(tmp_path, text, message):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(HostError, match=re.escape(message)) as info:
+        parse_hostfile(path)
+    assert str(path) in str(info.value)
+
+
+def test_ssh_is_non_interactive_and_quotes_the_remote_command():
+    argv = ssh_argv(Host("h2", "bob", 2200), ["python", "-m", "fedemu.launch", "x y"], ssh_config="cfg")
+    assert argv[:3] == ["ssh", "-o", "BatchMode=yes"]
+    assert argv[argv.index("-F") + 1] == "cfg" and argv[argv.index("-p") + 1] == "2200"
+    assert argv[argv.index("-l") + 1] == "bob"
+    assert argv[-3:] == ["h2", "--", "python -m fedemu.launch 'x y'"]
+
+
+def test_workers_are_placed_by_slots_in_host_order():
+    a, b, c = Host("a", slots=2), Host("b"), Host("c")
+    assert assign_workers([a, b, c], {a: 8, b: 4, c: 1}, None) == {a: [0, 1], b: [2, 3, 4, 5], c: [6]}
+    assert assign_workers([a, b, c], {a: 8, b: 4, c: 1}, 1) == {a: [0, 1], b: [2], c: [3]}
+
+
+# --- real hosts ------------------------------------------------------------------------
+
+_why_not = unavailable_reason()
+needs_hosts = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    made = TestHosts(tmp_path_factory.mktemp("hosts"), 2)
+    try:
+        made.up()
+    except RuntimeError as exc:  # e.g. a container without permission for namespaces
+        made.down()
+        pytest.skip(f"cannot create test hosts: {exc}")
+    yield made
+    made.down()
+
+
+def launch(hosts: TestHosts, run_dir: Path, *sets: str, machines: str = "h1,h2",
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--machines", machines,
+            "--ssh-config", str(hosts.ssh_config), "--workers", "1", *extra,
+            "--set", "run.target_accuracy=0", "--set", "run.heartbeat_interval_s=0.2",
+            "--set", "run.torch_threads=1"]
+    for item in sets:
+        argv += ["--set", item]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def assert_hosts_left_clean(hosts: TestHosts) -> None:
+    for name in hosts.names:
+        left = hosts.wait_until_empty(name)
+        assert not left, f"processes left on {name}: {left}"
+
+
+def local_processes_of(run_dir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if not line.startswith(f"{os.getpid()} ")]
+
+
+@needs_hosts
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_clients_spread_over_hosts_train_like_a_local_run(hosts, tmp_path):
+    spread = launch(hosts, tmp_path / "spread", "run.rounds=3")
+    output, _ = spread.communicate(timeout=300)
+    assert spread.returncode == 0, output
+    summary = json.loads((tmp_path / "spread" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_accuracy"] >= 0.8
+
+    placed = next(e for e in read_events(tmp_path / "spread") if e["event"] == "machines")
+    assert [h["host"] for h in placed["hosts"]] == ["h1", "h2"]
+    assert [h["workers"] for h in placed["hosts"]] == [[0], [1]]
+    assert [h["clients"] for h in placed["hosts"]] == [[0, 49], [50, 99]]
+    assert {h["address"] for h in placed["hosts"]} == {f"10.{hosts.subnet}.{i}.1" for i in (1, 2)}
+    # The worker nodes ran on the hosts, and their logs came back.
+    for i in (0, 1):
+        log = (tmp_path / "spread" / "logs" / f"worker-{i}.out").read_text()
+        assert "hosts clients" in log
+    assert_hosts_left_clean(hosts)
+    assert not local_processes_of(tmp_path / "spread")
+
+    # The same config and seed on this machine alone gives the same model.
+    local = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "local"),
+                            "--workers", "2", "--set", "run.target_accuracy=0", "--set", "run.torch_threads=1",
+                            "--set", "run.rounds=3"], capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stdout + local.stderr
+
+    def accuracies(run_dir: Path) -> list[float]:
+        return [e["accuracy"] for e in read_events(run_dir) if e["event"] == "round"]
+
+    assert accuracies(tmp_path / "spread") == accuracies(tmp_path / "local")
+
+
+@needs_hosts
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_killing_a_hosts_worker_node_loses_its_clients_and_the_run_goes_on(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(hosts, run_dir, "run.rounds=6", "run.heartbeat_timeout_s=2")
+    deadline = time.monotonic() + 180
+    while not any(e["event"] == "round" and e["round"] >= 2 for e in read_events(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "round 2 never finished"
+        time.sleep(0.2)
+    victims = [pid for pid, cmd in hosts.processes("h2").items() if "node worker" in cmd]
+    assert len(victims) == 1, hosts.processes("h2")
+    os.kill(victims[0], signal.SIGKILL)
+
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    events = read_events(run_dir)
+    faults = [e for e in events if e["event"] == "fault"]
+    assert sorted(e["client"] for e in faults) == list(range(50, 100))  # exactly h2's clients
+    assert {e["reason"] for e in faults} == {"noconnection"}
+    assert all(isinstance(e["t"], float) for e in faults)
+    assert "worker-1 on h2 exited with code -9" in output
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [e["round"] for e in rounds] == [1, 2, 3, 4, 5, 6]
+    late = [e for e in rounds if e["round"] > max(f["round"] for f in faults)]
+    assert late, "no round ran after the fault"
+    for e in late:  # only h1's clients are selected, and all answer
+        assert all(k < 50 for k in e["selected"]) and e["participants"] == 10
+    assert_hosts_left_clean(hosts)
+
+
+@needs_hosts
+def test_preflight_names_the_host_and_problem_and_starts_nothing(hosts, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1\nh2 python=/nonexistent/bin/python3\n")
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "run"),
+            "--hostfile", str(hostfile), "--ssh-config", str(hosts.ssh_config)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "preflight failed" in done.stderr
+    assert "h2: /nonexistent/bin/python3 not found" in done.stderr
+    assert "h1:" not in done.stderr  # the good host is not blamed
+    assert not local_processes_of(tmp_path / "run")
+    assert_hosts_left_clean(hosts)
+
+
+@needs_hosts
+def test_an_unreachable_host_fails_the_preflight_by_name(hosts, tmp_path):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(f"h1\nroot@10.{hosts.subnet}.1.2:2299\n")  # h1's address, a port with no sshd
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "run"),
+            "--hostfile", str(hosts_file), "--ssh-config", str(hosts.ssh_config)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"root@10.{hosts.subnet}.1.2:2299: unreachable over SSH" in done.stderr
+    assert not local_processes_of(tmp_path / "run")
