@@ -202,6 +202,8 @@ class MachinesRun(LocalRun):
         self.keys_file = self.run_dir / "run.keys"
         keys.save(self.keys_file)
         endpoint = self._start_broker(f"tcp://{self.machines.bind}:0")
+        # Nodes, here and on the hosts, get the keys without the broker's secret.
+        self.keys_file = keys.for_nodes().save(self.run_dir / "node.keys")
         port = int(endpoint.rsplit(":", 1)[1])
         reports = self.preflight(port)
         assignment = assign_workers(self.machines.hosts, {h: r["cores"] for h, r in reports.items()},

@@ -198,3 +198,26 @@ def test_an_unreachable_host_fails_the_preflight_by_name(hosts, tmp_path):
     assert done.returncode != 0
     assert f"root@10.{hosts.subnet}.1.2:2299: unreachable over SSH" in done.stderr
     assert not local_processes_of(tmp_path / "run")
+
+
+@needs_hosts
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_ctrl_c_stops_the_nodes_on_every_host(hosts, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--machines", "h1,h2",
+            "--ssh-config", str(hosts.ssh_config), "--workers", "1", "--set", "run.rounds=1000",
+            "--set", "run.target_accuracy=0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not any(e["event"] == "round" for e in read_events(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "round 1 never finished"
+        time.sleep(0.2)
+    assert any("node worker" in cmd for cmd in hosts.processes("h1").values())
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's whole group
+    output, _ = proc.communicate(timeout=120)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted", output
+    assert_hosts_left_clean(hosts)
+    assert not local_processes_of(run_dir)
+    assert not (run_dir / "logs" / "worker-0.out").read_text().count("Traceback")
