@@ -67,6 +67,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "clients": Key(int, "number of clients K", check=_positive, rule="> 0"),
         "shards_per_client": Key(int, "shards per client for partition = 'shards'", check=_positive, rule="> 0"),
         "cache_dir": Key(str, "data cache folder ('' = $FEDEMU_DATA_DIR or ~/.cache/fedemu)"),
+        "folds": Key(int, "k-fold cross-validation over train + test pooled (Nilsson et al.: 5); 0 = the usual train/test split", check=lambda k: k == 0 or k >= 2, rule="0 or >= 2"),
+        "fold": Key(int, "the fold held out as the test set when data.folds >= 2", check=_non_negative, rule=">= 0"),
     },
     "model": {
         "name": Key(str, "model", choices=("2nn", "cnn")),
@@ -80,6 +82,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=_non_negative, rule=">= 0"),
         "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=_non_negative, rule=">= 0"),
         "quorum": Key(int, "minimum updates to aggregate a round", check=_positive, rule="> 0"),
+        "on_quorum_missed": Key(str, "when a deadline passes below the quorum: skip the round (keep the model), "
+                                "or extend the deadline once by deadline_s and skip if still short",
+                                choices=("skip", "extend_once")),
+        "over_select": Key(int, "extra clients selected per round beyond m; the first m updates to arrive "
+                           "are aggregated, later ones discarded", check=_non_negative, rule=">= 0"),
         "h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=_positive, rule="> 0"),
         "b_l": Key(int, "CO-OP age filter lower bound", check=_non_negative, rule=">= 0"),
         "b_u": Key(int, "CO-OP age filter upper bound", check=_non_negative, rule=">= 0"),
@@ -100,6 +107,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
 NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
+
+# Rules whose uploads [compression] encodes, and what the others upload instead.
+COMPRESSIBLE = ("fedavg", "fedbuff", "fedasync", "coop")
+UNCOMPRESSIBLE = {
+    "fedsgd": "gradients (one full-batch gradient per round)",
+    "fsvrg": "a full gradient and then an SVRG-trained model per round",
+}
 
 
 def default() -> dict[str, dict[str, Any]]:
@@ -198,9 +212,12 @@ def validate(config: dict) -> None:
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
     compression = compression_spec(config)
     if compression.structured != "none" or compression.sketched:
-        if config["algorithm"]["name"] != "fedavg":
-            raise ConfigError(f"[compression] applies to FedAvg's model updates; algorithm.name = "
-                              f"{config['algorithm']['name']!r} sends no compressible updates here")
+        name = config["algorithm"]["name"]
+        if name not in COMPRESSIBLE:
+            raise ConfigError(
+                f"[compression] applies to model updates (algorithm.name = {', '.join(COMPRESSIBLE)}: each "
+                f"sends the delta from the model it trained from); algorithm.name = {name!r} uploads "
+                f"{UNCOMPRESSIBLE[name]}, which the update codecs do not encode")
     refused = [f.message for f in findings(config) if f.blocking
                and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
     if refused:

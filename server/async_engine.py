@@ -11,6 +11,11 @@ CO-OP can deadlock (Nilsson's Theorem A.1). The server knows every client's age 
 exactly (a_k only changes through the server's replies), so it detects the state where
 every live client is over-active (a - a_k < b_l for all k): a can never grow again.
 It then stops with a ``deadlock`` event, or recovers if the config asks for that.
+
+With [compression], every rule's clients send the delta from the last model they received
+(the n-th, ``Upload.base``), encoded with the seed of (run seed, n, client). FedBuff merges
+the decoded delta; CO-OP and FedAsync merge weights, so the server keeps the model it last
+sent each client and adds it back. A sketch is unbiased in the delta, hence in the weights.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import time
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, ThreadProcess
+from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess
+from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload
 
@@ -116,6 +122,14 @@ class AsyncEngine(Engine):
         self.age = rule.server_age_start()
         self.ages: dict[int, int] = {}  # a_k as the server last set it
         self.doing: dict[int, str] = {}  # what each client was last seen doing, for diagnostics
+        self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
+                      if settings.compression else None)
+        self.sent: dict[int, int] = {}  # models sent to each client: an upload's `base` must match
+        # With compression, CO-OP and FedAsync clients send the delta from the last model
+        # they received; the server keeps that model (a reference: the global model is
+        # never changed in place, so clients holding the same version share one array).
+        self.bases: dict[int, np.ndarray] = {}
+        self._keep_bases = self.codec is not None and not isinstance(rule, FedBuff)
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -123,9 +137,10 @@ class AsyncEngine(Engine):
         for k in sorted(self.live):
             self.ages[k] = self.rule.client_age_start
             self.doing[k] = "training"
-            proc.send(self.pids[k], AsyncStart(
+            self._send_model(proc, k, self.pids[k], AsyncStart(
                 rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
-                batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u))
+                batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
+                compression=s.compression if self.codec else None))
         try:
             return self._serve(proc)
         finally:
@@ -148,6 +163,7 @@ class AsyncEngine(Engine):
             if isinstance(body, Down):
                 self._client_down(body, evaluation)
                 self.ages.pop(self.client_of.get(body.pid), None)
+                self.bases.pop(self.client_of.get(body.pid), None)
                 if not self.live:
                     cause = "every client is gone: nothing can upload again"
                     self.runlog.event("deadlock", round=evaluation, cause=cause)
@@ -158,7 +174,12 @@ class AsyncEngine(Engine):
             elif isinstance(body, FetchRequest):
                 self.ages[body.client] = self.age
                 self.doing[body.client] = "fetched (outdated)"
-                proc.send(msg.sender, ModelReply(self.weights, self.age))
+                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
+            elif body.encoded is not None and not self._decode(body, evaluation):
+                # The update is lost, not the client: give it the model to go on from.
+                self.ages[body.client] = self.age
+                self.doing[body.client] = "sent an undecodable update"
+                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
             else:
                 self.totals.uploads += 1
                 period_uploads.append(body.client)
@@ -168,7 +189,7 @@ class AsyncEngine(Engine):
                 last_progress = time.monotonic()
                 self.ages[body.client] = self.age
                 self.doing[body.client] = f"uploaded (staleness {staleness})"
-                proc.send(msg.sender, ModelReply(self.weights, self.age))
+                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
                 if self.totals.uploads - uploads_at_eval >= s.eval_every:
                     uploads_at_eval = self.totals.uploads
                     evaluation += 1
@@ -188,6 +209,34 @@ class AsyncEngine(Engine):
                 self.runlog.event("recovered", round=evaluation, cause=self._deadlock_cause(),
                                   age_before=self.age, age_after=new_age)
                 self.age = new_age
+
+    def _send_model(self, proc: ThreadProcess, k: int, pid: Pid, message: AsyncStart | ModelReply) -> None:
+        self.sent[k] = self.sent.get(k, 0) + 1
+        if self._keep_bases:
+            self.bases[k] = message.weights
+        proc.send(pid, message)
+
+    def _decode(self, upload: Upload, evaluation: int) -> bool:
+        """Decode an encoded delta into ``upload.update`` in place: the delta itself for
+        FedBuff, base + delta for the rules that merge weights. The seed is the one the
+        client used, from (run seed, base, client)."""
+        k = upload.client
+        try:
+            if self.codec is None:
+                raise ValueError("this run does not compress, but the update is encoded")
+            if upload.base != self.sent.get(k):
+                raise ValueError(f"it was trained from model #{upload.base} from the server, "
+                                 f"which sent this client {self.sent.get(k, 0)}: its base is unknown")
+            if not upload.is_delta and k not in self.bases:
+                raise ValueError("the client was lost and its base dropped")
+            delta = self.codec.decode(upload.encoded, update_seed(self.settings.seed, upload.base, k))
+        except ValueError as exc:
+            log.error("client %d sent an update that does not decode: %s", k, exc)
+            self.runlog.event("fault", round=evaluation, client=k, reason=f"undecodable update: {exc}")
+            return False
+        upload.update = delta if upload.is_delta else (self.bases[k] + delta).astype(np.float32)
+        upload.encoded = None
+        return True
 
     def _all_over_active(self) -> bool:
         return bool(self.live) and all(self.age - self.ages[k] < self.rule.b_l for k in self.live)

@@ -47,12 +47,33 @@ def check(algorithm: dict, clients: int, network_can_drop: bool) -> list[Finding
                 "quorum-above-selection",
                 f"algorithm.quorum = {algorithm['quorum']} exceeds the {m} clients selected per round "
                 f"({how}): no round could aggregate", True))
+        extra = algorithm.get("over_select", 0)
+        if extra and name == "fsvrg":
+            findings.append(Finding(
+                "over-select-not-applicable",
+                f"algorithm.over_select = {extra}: FSVRG selects every client, so there is no one extra to select",
+                True))
+        elif extra and m + extra > K:
+            findings.append(Finding(
+                "over-select-above-clients",
+                f"algorithm.over_select = {extra} with m = {m} selects {m + extra} clients per round, "
+                f"more than the K = {K} there are ({how})", True))
+        if algorithm.get("on_quorum_missed") == "extend_once" and not algorithm["deadline_s"]:
+            findings.append(Finding(
+                "extend-without-deadline",
+                "algorithm.on_quorum_missed = 'extend_once' extends the round deadline, but there is none "
+                "(algorithm.deadline_s = 0): set a deadline or use 'skip'", True))
         if network_can_drop and not algorithm["deadline_s"]:
             findings.append(Finding(
                 "sync-without-deadline",
                 "a synchronous round with no deadline (algorithm.deadline_s = 0) waits for every selected client, "
                 "but the network can drop clients or messages (drop-out or loss is configured): a round could "
                 "wait forever. Set algorithm.deadline_s", True))
+    elif algorithm.get("over_select", 0):
+        findings.append(Finding(
+            "over-select-not-applicable",
+            f"algorithm.over_select = {algorithm['over_select']} applies to round-based rules (fedavg, fedsgd); "
+            f"{name!r} is asynchronous and merges every upload as it comes", True))
     return findings
 
 

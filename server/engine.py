@@ -9,8 +9,11 @@ FedAsync and FedBuff.
 A round selects m = max(C*K, 1) live clients with the run seed (FSVRG: every live
 client), and each of its phases sends them a request and collects until every selected
 client answered, was lost, or the deadline passed; what arrived is aggregated if at
-least the quorum did, else the model is kept. A client that never answers cannot hang
-a round, and a run whose live clients fall below the quorum stops with a ``deadlock``
+least the quorum did, else the model is kept (or, with ``on_quorum_missed =
+"extend_once"``, the deadline is extended once by its own length first). With
+over-selection, m + ``over_select`` clients are asked and a phase closes as soon as m
+replies are in; the rest are recorded as ``discarded``. A client that never answers
+cannot hang a round, and a run whose live clients fall below the quorum stops with a ``deadlock``
 event that names the cause instead of waiting forever.
 """
 from __future__ import annotations
@@ -63,7 +66,9 @@ class Settings:
     workers: int = 1
     startup_timeout_s: float = 120.0
     time_scale: float = 1.0  # emulated seconds per wall second
-    compression: dict | None = None  # FedAvg updates travel encoded (CompressionSpec.to_dict())
+    compression: dict | None = None  # updates travel encoded (CompressionSpec.to_dict())
+    over_select: int = 0  # extra clients selected beyond m; the first m replies count
+    on_quorum_missed: str = "skip"  # or "extend_once"
 
     @property
     def per_round(self) -> int:
@@ -214,6 +219,11 @@ class RoundEngine(Engine):
         self.algorithm = strategy.name
         self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
                       if settings.compression else None)
+        self.over_select, self.on_quorum_missed = settings.over_select, settings.on_quorum_missed
+        if self.on_quorum_missed not in QUORUM_POLICIES:
+            raise ValueError(f"on_quorum_missed = {self.on_quorum_missed!r}; use {' or '.join(QUORUM_POLICIES)}")
+        if self.over_select and strategy.selects_all:
+            raise ValueError(f"{strategy.name} selects every client: over_select does not apply")
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -230,9 +240,10 @@ class RoundEngine(Engine):
             if self.strategy.selects_all:
                 selected = candidates
             else:
-                m = min(s.per_round, len(candidates))
+                m = min(s.per_round + self.over_select, len(candidates))
                 selected = sorted(int(k) for k in rng.choice(candidates, size=m, replace=False))
-            book = _RoundBook(selected)
+            # Over-selection: a phase closes once m replies are in.
+            book = _RoundBook(selected, target=s.per_round if self.over_select else None)
             new_weights = self.strategy.run_round(
                 lambda task, lr, **extra: self._phase(proc, round_, book, task, lr, **extra), self.weights, round_)
             if new_weights is not None:
@@ -250,6 +261,7 @@ class RoundEngine(Engine):
                 **traffic,
                 selected=selected, answered=sorted(r.client for r in final),
                 stragglers=sorted(book.stragglers), dropped=sorted(book.dropped),
+                discarded=sorted(book.discarded), quorum_missed=book.quorum_missed,
                 train_loss=(sum(r.train_loss * r.num_samples for r in final) / n) if n else None,
                 compute_s_max=max((r.compute_s for r in final), default=None),
                 slowdowns={r.client: round(r.slowdown, 3) for r in final if r.slowdown != 1.0},
@@ -271,15 +283,21 @@ class RoundEngine(Engine):
         asked = [k for k in book.selected if k in self.live]
         for k in asked:
             proc.send(self.pids[k], request)
-        deadline = time.monotonic() + (s.deadline_s / s.time_scale if s.deadline_s else float("inf"))
+        period = s.deadline_s / s.time_scale if s.deadline_s else float("inf")
+        deadline = time.monotonic() + period
+        extended = False
         waiting = set(asked)
         replies: list[TrainReply] = []
         watchdog = time.monotonic() + s.progress_timeout_s
-        while waiting:
+        while waiting and not (book.target and len(replies) >= book.target):
             wait = min(deadline, watchdog) - time.monotonic()
             msg = self._receive(proc, (TrainReply, Down), wait)
             if msg is TIMEOUT:
                 if time.monotonic() >= deadline:
+                    if len(replies) < s.quorum and self.on_quorum_missed == "extend_once" and not extended:
+                        extended = True
+                        deadline += period
+                        continue
                     break
                 self.runlog.event("stall", round=round_, task=task, waiting_s=s.progress_timeout_s,
                                   waiting_for=sorted(waiting), cause="no reply from these clients; no deadline set")
@@ -298,12 +316,18 @@ class RoundEngine(Engine):
                     continue
                 replies.append(body)
             # else: a straggler's reply from an earlier round or phase, which has closed.
-        book.stragglers |= waiting
+        if book.target and len(replies) >= book.target:
+            book.discarded |= waiting  # over-selected: m answered first, these are not waited for
+        else:
+            book.stragglers |= waiting
+        if len(replies) < s.quorum:
+            book.quorum_missed = "extended_then_skipped" if extended else "skipped"
+        elif extended:
+            book.quorum_missed = "extended"
         book.uploads += len(replies)
         self.totals.uploads += len(replies)
         book.final_replies = replies
         return replies if len(replies) >= s.quorum else None
-
 
     def _decode(self, reply: TrainReply, round_: int) -> bool:
         """Turn an encoded delta into the client's weights (w_t + delta), in place.
@@ -323,10 +347,16 @@ class _RoundBook:
     """Who did what in one round, across its phases."""
 
     selected: list[int]
+    target: int | None = None  # over-selection: replies that close a phase (m)
     stragglers: set[int] = field(default_factory=set)
     dropped: set[int] = field(default_factory=set)
+    discarded: set[int] = field(default_factory=set)  # still training when the first m had answered
+    quorum_missed: str | None = None  # None, "extended", "skipped" or "extended_then_skipped"
     uploads: int = 0
     final_replies: list = field(default_factory=list)
+
+
+QUORUM_POLICIES = ("skip", "extend_once")
 
 
 class _Stopped(Exception):

@@ -85,3 +85,48 @@ def test_launch_refuses_unless_the_risk_is_accepted():
     with pytest.raises(configuration.ConfigError, match="deadlocks for certain"):
         configuration.load(None, ["algorithm.name=coop", "algorithm.b_l=100", "algorithm.b_u=300",
                                   "algorithm.accept_deadlock_risk=true"])
+
+
+SKETCH = ["compression.subsample=0.0625", "compression.rotate=true", "compression.bits=2"]
+
+
+@pytest.mark.parametrize("name", ["fedbuff", "fedasync", "coop"])
+def test_config_accepts_compression_for_the_asynchronous_rules(name):
+    loaded = configuration.load(None, [f"algorithm.name={name}", *SKETCH])
+    assert loaded["compression"]["bits"] == 2
+
+
+@pytest.mark.parametrize("name, uploads", [("fedsgd", "gradients"), ("fsvrg", "a full gradient")])
+def test_compression_refusal_names_the_rule_and_why(name, uploads):
+    with pytest.raises(configuration.ConfigError) as err:
+        configuration.load(None, [f"algorithm.name={name}", *SKETCH])
+    assert f"algorithm.name = {name!r} uploads {uploads}" in str(err.value)
+    assert "fedavg, fedbuff, fedasync, coop" in str(err.value)
+
+
+MODEL_BYTES = 199_210 * 4  # one 2NN as float32
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_fedbuff_with_compression_uploads_far_fewer_bytes_and_still_learns(tmp_path):
+    import json
+
+    from fedemu.server.runlog import read_events
+
+    from .test_launch import launch
+
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "data.clients=10", "algorithm.name=fedbuff", "algorithm.buffer_size=5",
+                  "algorithm.eval_every_uploads=5", "algorithm.B=50", "run.rounds=3", *SKETCH, workers=1)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["uploads"] == 15 and summary["faults"] == 0
+    # Uploads are the only messages up: each is the sketch (about 5 kB) instead of an 800 kB delta.
+    evaluations = [e for e in read_events(run_dir) if e["event"] == "round"]
+    for e in evaluations:
+        assert 0 < e["bytes_up"] < e["msgs_up"] * MODEL_BYTES / 100
+    assert not [e for e in read_events(run_dir) if e["event"] == "fault"]
+    # Chance is 0.10; 15 sketched uploads of one local epoch each reach about 0.8.
+    assert summary["final_accuracy"] >= 0.6

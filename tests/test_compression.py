@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedemu.node import wire
+from fedemu.node import Message, Pid, wire
+from fedemu.server.async_engine import AsyncEngine, Coop, FedAsync, FedBuff
+from fedemu.server.engine import Settings
+from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker import compression, models
+from fedemu.worker.client import Client, _ModelCache
+from fedemu.worker.data import Dataset
 from fedemu.worker.compression import (
     ENCODED_HEADER_BYTES,
     CompressionSpec,
@@ -18,6 +23,7 @@ from fedemu.worker.compression import (
     unrotate,
     update_seed,
 )
+from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
 from fedemu.worker.structured import compressed_client_update
 from fedemu.worker.training import client_update, evaluate
 
@@ -465,3 +471,101 @@ def test_structured_training_with_a_sketch_on_top():
     assert not np.array_equal(decoded, result.delta)
     error = np.linalg.norm(decoded - result.delta) / np.linalg.norm(result.delta)
     assert 0 < error < 0.05
+
+
+# --- asynchronous rules: the client encodes its delta from the base, the server decodes ---
+
+RUN_SEED = 7
+SERVER, CLIENT = Pid("server-node", 1), Pid("worker-0", 3)
+
+
+class _Outbox:
+    """Stands in for a process: keeps what is sent (send_after sends at once)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, pid, body):
+        self.sent.append(body)
+
+    def send_after(self, delay, pid, body):
+        self.sent.append(body)
+
+
+def _async_pair(tmp_path, rule, spec):
+    """A server engine and one client (id 0) on 20 random images, after AsyncStart."""
+    engine = AsyncEngine(Settings(clients=1, seed=RUN_SEED, rounds=1, batch_size=10, compression=spec),
+                         rule, "2nn", None, RunLog(tmp_path), lr=0.1)
+    images, labels = _data(20)
+    dataset = Dataset("fake", images, labels, images, labels, 10)
+    client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
+    server_out, client_out = _Outbox(), _Outbox()
+    b_l, b_u = (rule.b_l, rule.b_u) if isinstance(rule, Coop) else (0, 0)
+    engine._send_model(server_out, 0, CLIENT, AsyncStart(
+        rule=rule.name, weights=engine.weights, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
+        seed=RUN_SEED, b_l=b_l, b_u=b_u, compression=spec))
+    client.handle(client_out, Message(SERVER, server_out.sent[-1]))
+    return engine, client, client_out
+
+
+def _copy(upload: Upload) -> Upload:
+    return Upload(**{**upload.__dict__, "encoded": dict(upload.encoded)})
+
+
+def test_fedbuff_upload_is_the_encoded_delta_and_decodes_with_the_same_seed(tmp_path):
+    spec = CompressionSpec(subsample=0.25, rotate=True, bits=2).to_dict()
+    engine, client, out = _async_pair(tmp_path, FedBuff(buffer_size=2, server_lr=1.0), spec)
+    upload = out.sent[-1]
+    assert isinstance(upload, Upload) and upload.update is None and upload.is_delta
+    assert upload.base == 1  # the AsyncStart model
+    codec = engine.codec
+    assert encoded_size(upload.encoded) == codec.encoded_bytes < codec.num_parameters * 4 / 40
+    expected = codec.decode(upload.encoded, update_seed(RUN_SEED, 1, 0))
+    other_seed = codec.decode(upload.encoded, update_seed(RUN_SEED, 2, 0))
+    assert engine._decode(upload, 0)
+    np.testing.assert_array_equal(upload.update, expected)
+    assert not np.allclose(upload.update, other_seed)  # a different base would decode to noise
+    true_delta = client._weights - engine.weights
+    # An unbiased but lossy sketch of the delta the client trained: same scale, same direction.
+    assert float(np.dot(upload.update, true_delta)) > 0.3 * float(np.dot(true_delta, true_delta))
+
+
+def test_fedasync_upload_decodes_to_base_plus_delta(tmp_path):
+    spec = CompressionSpec(rotate=True).to_dict()  # rotation alone is lossless to float precision
+    engine, client, out = _async_pair(tmp_path, FedAsync(0.6, "constant", 0.5, 4), spec)
+    upload = out.sent[-1]
+    assert not upload.is_delta and upload.encoded is not None
+    assert engine._decode(upload, 0)
+    np.testing.assert_allclose(upload.update, client._weights, atol=1e-5)
+    assert not np.allclose(upload.update, engine.weights, atol=1e-5)  # it did train
+
+
+def test_coop_keeps_one_mask_per_base_across_local_updates(tmp_path):
+    """An over-active CO-OP client trains twice before uploading: both trainings use the
+    base's mask, so the summed delta is still a masked update and decodes exactly."""
+    spec = CompressionSpec(structured="random_mask", keep_fraction=0.1).to_dict()
+    engine, client, out = _async_pair(tmp_path, Coop(b_l=1, b_u=4), spec)
+    assert isinstance(out.sent[-1], AgeRequest)
+    client.handle(out, Message(CLIENT, TrainAgain()))
+    assert client._trainings == 2 and client._encoded is None  # re-encoded at upload time
+    client.handle(out, Message(SERVER, AgeReply(age=engine.age)))  # a - a_k = b_l: upload
+    upload = out.sent[-1]
+    assert isinstance(upload, Upload) and upload.base == 1 and not upload.is_delta
+    seed = update_seed(RUN_SEED, 1, 0)
+    delta = client._weights - engine.weights
+    first = engine.codec.layers[0]
+    mask = engine.codec.mask(0, seed).reshape(-1)
+    block = delta[first.offset : first.offset + first.size]
+    assert np.count_nonzero(block[~mask]) == 0 and np.count_nonzero(block[mask]) > 0
+    assert engine._decode(upload, 0)
+    np.testing.assert_allclose(upload.update, client._weights, atol=1e-6)
+
+
+def test_an_upload_from_an_unknown_base_is_a_fault_not_a_merge(tmp_path):
+    spec = CompressionSpec(bits=4).to_dict()
+    engine, _, out = _async_pair(tmp_path, FedAsync(0.6, "constant", 0.5, 4), spec)
+    upload = _copy(out.sent[-1])
+    upload.base = 2  # the server sent this client one model
+    assert not engine._decode(upload, 3)
+    faults = [e for e in read_events(tmp_path) if e["event"] == "fault"]
+    assert faults and faults[0]["client"] == 0 and "model #2" in faults[0]["reason"]

@@ -88,8 +88,11 @@ class Client(Behaviour):
         self._server: Pid | None = None
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
         self._age = 0
-        self._base: np.ndarray | None = None  # the model w_k started from (FedBuff deltas)
+        self._base: np.ndarray | None = None  # the last model received: deltas are taken from it
+        self._bases = 0  # models received from the server; names the base of an upload
         self._updates = 0  # local updates run in asynchronous mode (its "round" counter)
+        self._trainings = 0  # local updates since the base (CO-OP: more than one when over-active)
+        self._encoded: dict | None = None  # a structured training's exact encoding of the delta
         self._loss = 0.0
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
@@ -98,14 +101,14 @@ class Client(Behaviour):
             self._train_request(proc, msg.sender, body)
         elif isinstance(body, AsyncStart):
             self._async, self._server = body, msg.sender
-            self._weights, self._age, self._base = body.weights.copy(), body.age, body.weights
+            self._new_base(body.weights, body.age)
             self._train_async(proc)
         elif isinstance(body, TrainAgain) and self._async is not None:
             self._train_async(proc)
         elif isinstance(body, AgeReply) and self._async is not None:
             self._coop_decide(proc, body.age)
         elif isinstance(body, ModelReply) and self._async is not None:
-            self._weights, self._age, self._base = body.weights.copy(), body.age, body.weights
+            self._new_base(body.weights, body.age)
             self._train_async(proc)
         elif isinstance(body, AsyncStop):
             proc.stop()
@@ -163,6 +166,20 @@ class Client(Behaviour):
 
     # --- asynchronous rules ---------------------------------------------------------------------
 
+    def _new_base(self, weights: np.ndarray, age: int) -> None:
+        self._weights, self._age, self._base = weights.copy(), age, weights
+        self._bases += 1
+        self._trainings, self._encoded = 0, None
+
+    def _codec(self, model: torch.nn.Module) -> UpdateCodec | None:
+        spec = self._async.compression
+        return codec_for(self.model_name, spec, model) if spec else None
+
+    def _base_seed(self) -> int:
+        # Per base, not per training: a CO-OP client that trains several times before
+        # uploading keeps one mask or basis, so its summed delta stays in that space.
+        return update_seed(self._async.seed, self._bases, self.client_id)
+
     def _train_async(self, proc: BehaviourProcess) -> None:
         start = self._async
         started = time.perf_counter()
@@ -170,23 +187,50 @@ class Client(Behaviour):
         models.set_flat(model, self._weights)
         images, labels = self._data()
         self._updates += 1
-        result = training.client_update(
-            model, images, labels, epochs=start.epochs, batch_size=start.batch_size, lr=start.lr,
-            generator=client_generator(start.seed, self._updates, self.client_id),
-            lr_decay=start.lr_decay, start_iteration=self.iterations)
+        generator = client_generator(start.seed, self._updates, self.client_id)
+        codec = self._codec(model)
+        self._trainings += 1
+        if codec is not None and codec.structured:
+            # Train in the restricted space, as FedAvg's clients do.
+            result = compressed_client_update(
+                model, images, labels, codec=codec, seed=self._base_seed(), epochs=start.epochs,
+                batch_size=start.batch_size, lr=start.lr, generator=generator, lr_decay=start.lr_decay,
+                start_iteration=self.iterations)
+            weights = models.get_flat(model)
+            # Exact for the delta from the base only if this was the first training from it.
+            self._encoded = result.encoded if self._trainings == 1 else None
+        else:
+            result = training.client_update(
+                model, images, labels, epochs=start.epochs, batch_size=start.batch_size, lr=start.lr,
+                generator=generator, lr_decay=start.lr_decay, start_iteration=self.iterations)
+            weights = result.weights
         self.iterations += result.steps
-        self._weights, self._loss = result.weights, result.train_loss
-        compute_s = time.perf_counter() - started
+        self._weights, self._loss = weights, result.train_loss
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
-        hold = self._hold(compute_s, slowdown)
         if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
-            proc.send_after(hold, self._server, AgeRequest(self.client_id, self._age))
+            compute_s = time.perf_counter() - started
+            proc.send_after(self._hold(compute_s, slowdown), self._server, AgeRequest(self.client_id, self._age))
             return
-        fedbuff = start.rule == "fedbuff"
-        update = (result.weights - self._base) if fedbuff else result.weights
-        proc.send_after(hold, self._server, Upload(
-            client=self.client_id, update=update, is_delta=fedbuff, age=self._age,
-            num_samples=len(self.indices), train_loss=result.train_loss, compute_s=compute_s, slowdown=slowdown))
+        upload = self._upload(model, 0.0, slowdown)
+        upload.compute_s = compute_s = time.perf_counter() - started  # encoding is the client's work too
+        proc.send_after(self._hold(compute_s, slowdown), self._server, upload)
+
+    def _upload(self, model: torch.nn.Module, compute_s: float, slowdown: float = 1.0) -> Upload:
+        """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
+        compression every rule sends the delta from the base, encoded: sketching weights
+        themselves would be meaningless, and the server holds the base to add it back."""
+        is_delta = self._async.rule == "fedbuff"
+        codec = self._codec(model)
+        update, encoded = None, None
+        if codec is not None:
+            encoded = self._encoded
+            if encoded is None:
+                encoded = codec.encode(self._weights - self._base, self._base_seed())
+        else:
+            update = (self._weights - self._base) if is_delta else self._weights
+        return Upload(client=self.client_id, update=update, is_delta=is_delta, age=self._age,
+                      num_samples=len(self.indices), train_loss=self._loss, compute_s=compute_s,
+                      slowdown=slowdown, base=self._bases, encoded=encoded)
 
     def _coop_decide(self, proc: BehaviourProcess, age: int) -> None:
         start = self._async
@@ -195,9 +239,7 @@ class Client(Behaviour):
         elif age - self._age < start.b_l:  # over-active: keep training
             proc.send(proc.pid, TrainAgain())
         else:
-            proc.send(self._server, Upload(
-                client=self.client_id, update=self._weights, is_delta=False, age=self._age,
-                num_samples=len(self.indices), train_loss=self._loss, compute_s=0.0))
+            proc.send(self._server, self._upload(self._cache.get(self.model_name), compute_s=0.0))
 
 
 def warm_up(dataset: Dataset, indices: np.ndarray, model_name: str) -> float:

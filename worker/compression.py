@@ -333,6 +333,11 @@ class UpdateCodec:
         self._quantized_layers = [p for p in self.layers if p.bits != FLOAT_BITS]
         self.encoded_bytes = ENCODED_HEADER_BYTES + sum(p.wire_bytes for p in self.layers)
 
+    @property
+    def structured(self) -> bool:
+        """Whether some layer is trained in a restricted space (random_mask or low_rank)."""
+        return any(plan.kind in (RANDOM_MASK, LOW_RANK) for plan in self.layers)
+
     def _plan(self, index: int, shape: tuple[int, ...], offset: int) -> LayerPlan:
         spec = self.spec
         size = math.prod(shape)

@@ -58,6 +58,7 @@ class AsyncStart:
     seed: int
     b_l: int = 0  # CO-OP age filter
     b_u: int = 0
+    compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
 
 
 @message
@@ -91,13 +92,20 @@ class ModelReply:
 @message
 class Upload:
     client: int
-    update: np.ndarray  # local weights, or the delta from the base model (is_delta)
+    update: np.ndarray | None  # local weights, or the delta from the base model (is_delta); None if encoded
     is_delta: bool
     age: int  # a_k: the age/version of the model this update was trained from
     num_samples: int
     train_loss: float
     compute_s: float
     slowdown: float = 1.0
+    # Which model from the server this update was trained from: the client's count of
+    # models received (AsyncStart is 1). It names the base an encoded delta is relative
+    # to, and seeds its compression as the round does in FedAvg.
+    base: int = 0
+    # With compression: the delta from that base, encoded. The server decodes it into
+    # `update` (the delta if is_delta, else base model + delta) before merging.
+    encoded: dict | None = None
 
 
 @message

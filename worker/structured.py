@@ -73,8 +73,7 @@ def compressed_client_update(
     it), as ``client_update`` leaves it at its trained weights.
     """
     start_weights = get_flat(model)
-    structured = any(plan.kind in (RANDOM_MASK, LOW_RANK) for plan in codec.layers)
-    if not structured:
+    if not codec.structured:
         result = client_update(model, images_u8, labels, epochs=epochs, batch_size=batch_size,
                                lr=lr, generator=generator, lr_decay=lr_decay,
                                start_iteration=start_iteration)

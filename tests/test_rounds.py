@@ -1,0 +1,252 @@
+"""Round policies of the round engine: over-selection (the first m replies count, the rest
+are discarded) and what happens when a deadline passes below the quorum (skip, or
+extend once). Scripted phases test the logic; two small launched runs test it end to end."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedemu.launch import config as configuration
+from fedemu.node import TIMEOUT, Message, Pid
+from fedemu.server.checks import check
+from fedemu.server.engine import RoundEngine, Settings, _RoundBook
+from fedemu.server.runlog import RunLog, read_events
+from fedemu.server.strategies import FedAvg
+from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
+
+WAIT = "wait"  # script step: nothing arrives until the current deadline has passed
+
+
+class ScriptedProc:
+    """Stands in for the server process: replies arrive in the scripted order; a WAIT
+    step (or an empty script) lets the engine's current receive time out."""
+
+    def __init__(self, *script):
+        self.script = list(script)
+        self.sent: list = []
+
+    def send(self, pid, body):
+        self.sent.append((pid, body))
+
+    def receive(self, match, timeout):
+        if self.script and self.script[0] is not WAIT:
+            return self.script.pop(0)
+        if self.script:
+            self.script.pop(0)
+        time.sleep(min(timeout, 1.0))
+        return TIMEOUT
+
+
+def reply(k: int, round_: int = 1) -> Message:
+    body = TrainReply(round=round_, client=k, task=TRAIN, update=np.zeros(3, np.float32), num_samples=100,
+                      train_loss=0.0, compute_s=0.0)
+    return Message(Pid("worker", k), body)
+
+
+def engine(tmp_path: Path, clients: int = 5, **settings) -> RoundEngine:
+    defaults = dict(clients=clients, seed=1, rounds=1, C=0.6, deadline_s=0.05, quorum=1, over_select=0,
+                    on_quorum_missed="skip", progress_timeout_s=60.0)
+    eng = RoundEngine(Settings(**{**defaults, **settings}), FedAvg(lr=0.1), "2nn", None, RunLog(tmp_path))
+    eng.pids = {k: Pid("worker", k) for k in range(clients)}
+    eng.live = set(range(clients))
+    return eng
+
+
+def run_phase(eng: RoundEngine, proc: ScriptedProc, selected: list[int], target: int | None = None):
+    book = _RoundBook(selected, target=target)
+    return eng._phase(proc, 1, book, TRAIN, 0.1), book
+
+
+def test_over_selection_keeps_the_first_m_and_discards_the_rest(tmp_path):
+    eng = engine(tmp_path, C=0.6, over_select=2)  # m = 3 of K = 5, 5 asked
+    proc = ScriptedProc(reply(3), reply(1), reply(4), reply(0))
+    replies, book = run_phase(eng, proc, [0, 1, 2, 3, 4], target=3)
+    assert [r.client for r in replies] == [3, 1, 4]
+    assert book.discarded == {0, 2} and book.stragglers == set()
+    assert len(proc.sent) == 5 and all(isinstance(body, TrainRequest) for _, body in proc.sent)
+    assert len(proc.script) == 1  # the fourth reply was not taken: the phase had closed
+
+
+def test_over_selection_short_at_the_deadline_records_stragglers_not_discards(tmp_path):
+    eng = engine(tmp_path, over_select=2)
+    replies, book = run_phase(eng, ScriptedProc(reply(2), reply(0), WAIT), [0, 1, 2, 3, 4], target=3)
+    assert [r.client for r in replies] == [2, 0]  # two >= quorum 1: aggregated
+    assert book.stragglers == {1, 3, 4} and book.discarded == set()
+    assert book.quorum_missed is None
+
+
+def test_extend_once_waits_a_second_deadline_and_aggregates_if_the_quorum_arrives(tmp_path):
+    eng = engine(tmp_path, quorum=2, on_quorum_missed="extend_once")
+    replies, book = run_phase(eng, ScriptedProc(reply(0), WAIT, reply(1), WAIT), [0, 1, 2])
+    assert [r.client for r in replies] == [0, 1]
+    assert book.quorum_missed == "extended" and book.stragglers == {2}
+
+
+def test_extend_once_then_skip_when_still_short(tmp_path):
+    eng = engine(tmp_path, quorum=3, on_quorum_missed="extend_once")
+    proc = ScriptedProc(reply(0), WAIT, WAIT, reply(1))
+    replies, book = run_phase(eng, proc, [0, 1, 2])
+    assert replies is None  # the round keeps the model
+    assert book.quorum_missed == "extended_then_skipped" and book.stragglers == {1, 2}
+    assert len(proc.script) == 1  # only one extension: client 1's late reply was not waited for
+
+
+def test_skip_policy_does_not_extend(tmp_path):
+    eng = engine(tmp_path, quorum=2, on_quorum_missed="skip")
+    proc = ScriptedProc(reply(0), WAIT, reply(1))
+    replies, book = run_phase(eng, proc, [0, 1, 2])
+    assert replies is None and book.quorum_missed == "skipped"
+    assert len(proc.script) == 1
+
+
+def test_quorum_met_in_time_records_nothing(tmp_path):
+    eng = engine(tmp_path, quorum=2, on_quorum_missed="extend_once")
+    replies, book = run_phase(eng, ScriptedProc(reply(0), reply(1), reply(2)), [0, 1, 2])
+    assert len(replies) == 3 and book.quorum_missed is None and book.discarded == set()
+
+
+def test_engine_refuses_what_config_validation_would(tmp_path):
+    with pytest.raises(ValueError, match="on_quorum_missed = 'wait'"):
+        engine(tmp_path, on_quorum_missed="wait")
+
+
+# --- config keys and static checks ----------------------------------------------------------
+
+
+def algo(**changes):
+    return {**configuration.default()["algorithm"], **changes}
+
+
+def test_defaults_keep_todays_behaviour():
+    a = configuration.load(None)["algorithm"]
+    assert (a["over_select"], a["on_quorum_missed"]) == (0, "skip")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.over_select=-1"], "algorithm.over_select = -1 is out of range; it must be >= 0"),
+    (["algorithm.over_select=1.5"], "algorithm.over_select = 1.5 must be an integer"),
+    (["algorithm.on_quorum_missed=wait"],
+     "algorithm.on_quorum_missed = 'wait' is not allowed; choose one of 'skip', 'extend_once'"),
+    (["algorithm.over_select=91"],
+     "algorithm.over_select = 91 with m = 10 selects 101 clients per round, more than the K = 100"),
+    (["algorithm.name=fsvrg", "algorithm.over_select=1"], "FSVRG selects every client"),
+    (["algorithm.name=fedbuff", "algorithm.over_select=1"], "'fedbuff' is asynchronous"),
+    (["algorithm.on_quorum_missed=extend_once", "algorithm.deadline_s=0"],
+     "algorithm.on_quorum_missed = 'extend_once' extends the round deadline, but there is none"),
+])
+def test_bad_round_policies_name_the_key(overrides, message):
+    with pytest.raises(configuration.ConfigError) as err:
+        configuration.load(None, overrides)
+    assert message in str(err.value)
+
+
+def test_over_selection_checks_name_the_rule():
+    assert check(algo(over_select=90), clients=100, network_can_drop=False) == []  # 10 + 90 = K
+    above = check(algo(over_select=91), clients=100, network_can_drop=False)
+    assert [f.rule for f in above] == ["over-select-above-clients"]
+    assert [f.rule for f in check(algo(name="fsvrg", over_select=1), 100, False)] == ["over-select-not-applicable"]
+    assert [f.rule for f in check(algo(name="coop", over_select=1), 100, False)] == ["over-select-not-applicable"]
+    no_deadline = check(algo(on_quorum_missed="extend_once", deadline_s=0.0), 100, False)
+    assert [f.rule for f in no_deadline] == ["extend-without-deadline"]
+
+
+# --- on real runs --------------------------------------------------------------------------------
+
+LATE_UP = 4000  # ms: one way, on the uplink only. B = 0 (one full-batch step) keeps training
+# short, so even the last of five clients trained in turn answers well before that.
+
+
+def launch_file(run_dir: Path, config_text: str, *sets: str) -> subprocess.CompletedProcess:
+    path = run_dir.parent / f"{run_dir.name}.toml"
+    path.write_text(config_text)
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", str(path), "--out", str(run_dir), "--workers", "1",
+            "--set", "run.target_accuracy=0", "--set", "run.heartbeat_interval_s=0.2"]
+    for item in sets:
+        argv += ["--set", item]
+    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def round_events(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "round"]
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_over_selection_on_a_real_run(tmp_path):
+    """K = 10, m = 3, two extra; clients 5-9 have a 4 s uplink. Each round asks five and
+    aggregates the first three to answer: the fast ones whenever three were selected."""
+    run_dir = tmp_path / "run"
+    done = launch_file(run_dir, f"""
+[data]
+clients = 10
+[algorithm]
+C = 0.3
+B = 0
+over_select = 2
+[run]
+rounds = 3
+[network.profiles.late]
+up = {{ latency_ms = {LATE_UP} }}
+[[network.assign]]
+profile = "late"
+clients = "5-9"
+""")
+    assert done.returncode == 0, done.stdout
+    rounds = round_events(run_dir)
+    assert [e["round"] for e in rounds] == [1, 2, 3]
+    for e in rounds:
+        selected, answered, discarded = set(e["selected"]), set(e["answered"]), set(e["discarded"])
+        assert len(selected) == 5 and e["participants"] == 3 and e["aggregated"]
+        assert answered | discarded == selected and not answered & discarded
+        assert e["stragglers"] == [] and e["quorum_missed"] is None
+        fast = {k for k in selected if k < 5}
+        # The first three to arrive: every fast one if at most three were selected, else only fast ones.
+        assert fast <= answered if len(fast) <= 3 else answered <= fast
+    assert json.loads((run_dir / "summary.json").read_text())["uploads"] == 9
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_extend_once_on_a_real_run(tmp_path):
+    """K = 4, all selected, quorum 4, a 5 s deadline. Round 1: client 2's upload takes
+    6 s, so the quorum is missed, the deadline extended once (to 10 s), and the round
+    aggregates. Round 2: its uplink takes 30 s, so even the extended deadline passes: the
+    round is skipped and the model kept."""
+    run_dir = tmp_path / "run"
+    done = launch_file(run_dir, """
+[data]
+clients = 4
+[algorithm]
+C = 1.0
+B = 0
+quorum = 4
+deadline_s = 5.0
+on_quorum_missed = "extend_once"
+[run]
+rounds = 2
+[network.profiles.late]
+up = { latency_ms = 6000 }
+[network.profiles.gone]
+up = { latency_ms = 30000 }
+[[network.assign]]
+profile = "late"
+clients = "2"
+[[network.events]]
+at_round = 2
+profile = "gone"
+clients = "2"
+""")
+    assert done.returncode == 0, done.stdout
+    first, second = round_events(run_dir)
+    assert first["quorum_missed"] == "extended" and first["aggregated"]
+    assert first["answered"] == [0, 1, 2, 3] and first["stragglers"] == []
+    assert second["quorum_missed"] == "extended_then_skipped" and not second["aggregated"]
+    assert second["stragglers"] == [2] and second["answered"] == [0, 1, 3]
+    # A skipped round keeps the model: the same weights score the same.
+    assert second["accuracy"] == first["accuracy"]
