@@ -170,6 +170,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         signal.signal(sig, lambda *_: threading.Thread(target=node.close, args=("signal",), daemon=True).start())
     host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
                  config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"],
-                 stragglers=stragglers, time_scale=config["run"]["time_scale"])
+                 stragglers=stragglers, time_scale=config["run"]["time_scale"],
+                 restarts=config["run"]["restart_clients"])
     node.wait()
     return 0

@@ -28,7 +28,8 @@ import numpy as np
 from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.data import Dataset
-from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload
+from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
+                                    WorkerReady)
 
 from .engine import Engine, Settings
 from .runlog import RunLog
@@ -132,20 +133,25 @@ class AsyncEngine(Engine):
         self._keep_bases = self.codec is not None and not isinstance(rule, FedBuff)
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
-        s = self.settings
-        b_l, b_u = (self.rule.b_l, self.rule.b_u) if isinstance(self.rule, Coop) else (0, 0)
         for k in sorted(self.live):
-            self.ages[k] = self.rule.client_age_start
-            self.doing[k] = "training"
-            self._send_model(proc, k, self.pids[k], AsyncStart(
-                rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
-                batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
-                compression=s.compression if self.codec else None))
+            self._start_client(proc, k)
         try:
             return self._serve(proc)
         finally:
             for k in self.live:
                 proc.send(self.pids[k], AsyncStop("the run ended"))
+
+    def _start_client(self, proc: ThreadProcess, k: int) -> None:
+        """Start client k's asynchronous loop from the current global model."""
+        s = self.settings
+        b_l, b_u = (self.rule.b_l, self.rule.b_u) if isinstance(self.rule, Coop) else (0, 0)
+        self.ages[k] = self.rule.client_age_start
+        self.doing[k] = "training"
+        self.sent.pop(k, None)  # a restarted client counts its models from zero again
+        self._send_model(proc, k, self.pids[k], AsyncStart(
+            rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
+            batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
+            compression=s.compression if self.codec else None))
 
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -153,14 +159,17 @@ class AsyncEngine(Engine):
         last_progress = time.monotonic()
         period_uploads: list[int] = []
         while True:
-            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down),
+            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
                                 last_progress + s.progress_timeout_s - time.monotonic())
             if msg is TIMEOUT:
                 self._stall(evaluation)
                 last_progress = time.monotonic()
                 continue
             body = msg.body
-            if isinstance(body, Down):
+            if isinstance(body, WorkerReady):
+                for k in self._rejoin(proc, body, evaluation):
+                    self._start_client(proc, k)
+            elif isinstance(body, Down):
                 self._client_down(body, evaluation)
                 self.ages.pop(self.client_of.get(body.pid), None)
                 self.bases.pop(self.client_of.get(body.pid), None)

@@ -167,13 +167,34 @@ class Engine:
 
     def _client_down(self, down: Down, round_: int) -> int | None:
         k = self.client_of.get(down.pid)
-        if k is None or k not in self.live:
+        if k is None or k not in self.live or self.pids[k] != down.pid:  # not the client's current pid
             return None
         self.live.discard(k)
         fault = self.runlog.event("fault", round=round_, client=k, pid=str(down.pid), reason=down.reason)
         self.totals.faults.append(fault)
         log.warning("client %d lost in round %d: %s", k, round_, down.reason)
         return k
+
+    def _rejoin(self, proc: ThreadProcess, ready: WorkerReady, round_: int) -> list[int]:
+        """A worker node's supervisor restarted crashed clients: watch their new pids and
+        let them be selected again."""
+        restarted = []
+        for k, pid in as_pid_map(ready.clients).items():
+            if not 0 <= k < self.settings.clients:
+                log.warning("node %s reported unknown client %d; ignored", ready.node, k)
+                continue
+            self.pids[k] = pid
+            self.client_of[pid] = k
+            proc.monitor(pid)
+            self.live.add(k)
+            self.runlog.event("restart", round=round_, client=k, pid=str(pid), node=ready.node)
+            restarted.append(k)
+        return restarted
+
+    def _rejoin_waiting(self, proc: ThreadProcess, round_: int) -> None:
+        """Take in every restart reported since the last look, without waiting."""
+        while (msg := self._receive(proc, (WorkerReady,), 0)) is not TIMEOUT:
+            self._rejoin(proc, msg.body, round_)
 
     def _evaluate(self) -> tuple[float, float]:
         models.set_flat(self.model, self.weights)
@@ -229,6 +250,7 @@ class RoundEngine(Engine):
         s = self.settings
         rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
         for round_ in range(1, s.rounds + 1):
+            self._rejoin_waiting(proc, round_)
             if len(self.live) < s.quorum:
                 cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
                          "no round can aggregate again")
@@ -291,7 +313,7 @@ class RoundEngine(Engine):
         watchdog = time.monotonic() + s.progress_timeout_s
         while waiting and not (book.target and len(replies) >= book.target):
             wait = min(deadline, watchdog) - time.monotonic()
-            msg = self._receive(proc, (TrainReply, Down), wait)
+            msg = self._receive(proc, (TrainReply, Down, WorkerReady), wait)
             if msg is TIMEOUT:
                 if time.monotonic() >= deadline:
                     if len(replies) < s.quorum and self.on_quorum_missed == "extend_once" and not extended:
@@ -304,7 +326,9 @@ class RoundEngine(Engine):
                 watchdog = time.monotonic() + s.progress_timeout_s
                 continue
             body = msg.body
-            if isinstance(body, Down):
+            if isinstance(body, WorkerReady):
+                self._rejoin(proc, body, round_)  # selectable from the next round on
+            elif isinstance(body, Down):
                 k = self._client_down(body, round_)
                 if k in waiting:
                     waiting.discard(k)

@@ -200,3 +200,49 @@ def test_a_lost_server_fails_the_run_and_keeps_its_log(tmp_path):
     assert "server node exited (-9)" in summary["reason"]
     assert [e["round"] for e in read_events(run_dir) if e["event"] == "round"][:2] == [1, 2]
     assert processes_of(run_dir) == []
+
+
+def crash_client(run_dir: Path, k: int) -> None:
+    """Make client k crash for real: send it a model of the wrong size, as a buggy peer
+    could, from a node of our own on the run's broker."""
+    import numpy as np
+
+    from fedemu.node import Node
+    from fedemu.worker.protocol import TRAIN, TrainRequest
+
+    node = Node("crasher", (run_dir / "broker.endpoint").read_text().strip()).start()
+    try:
+        pid = node.whereis(f"client/{k}")
+        assert pid is not None
+        node.send(pid, TrainRequest(round=0, task=TRAIN, weights=np.zeros(3, np.float32), epochs=1,
+                                    batch_size=10, lr=0.1, seed=0))
+    finally:
+        node.close("done")
+
+
+def test_a_crashed_client_is_restarted_by_its_supervisor_up_to_the_limit(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=1000", "data.clients=10", "algorithm.C=1.0", "run.restart_clients=1")
+    wait_for_round(run_dir, 1, proc)
+    crash_client(run_dir, 3)
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "restart" for e in read_events(run_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, "no restart event"
+        time.sleep(0.2)
+    restart = next(e for e in read_events(run_dir) if e["event"] == "restart")
+    wait_for_round(run_dir, restart["round"] + 1, proc)  # a full round after the restart
+    crash_client(run_dir, 3)  # the second crash is over the limit of one restart
+    after = max(e["round"] for e in read_events(run_dir) if e["event"] == "round")
+    wait_for_round(run_dir, after + 2, proc)
+    os.kill(node_pid(run_dir, "server"), signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+
+    events = read_events(run_dir)
+    faults = [e for e in events if e["event"] == "fault"]
+    assert [e["client"] for e in faults] == [3, 3], output
+    assert all(e["reason"].startswith("crash: ValueError") for e in faults)
+    assert [e["client"] for e in events if e["event"] == "restart"] == [3]  # once, not after the second crash
+    rounds = {e["round"]: e for e in events if e["event"] == "round"}
+    assert 3 in rounds[restart["round"] + 1]["answered"]  # the restarted client trains again
+    assert 3 not in rounds[max(rounds)]["selected"]  # over the limit it stays down
+    assert processes_of(run_dir) == []

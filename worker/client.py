@@ -264,15 +264,19 @@ def host_clients(
     startup_timeout: float = 120.0,
     stragglers: StragglerSpec = StragglerSpec(),
     time_scale: float = 1.0,
+    restarts: int = 0,
 ) -> None:
-    """Spawn this node's clients, register their names, and report to the server."""
+    """Spawn this node's clients, register their names, and report to the server.
+    With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
+    times per client, and tells the server its new pid."""
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(dataset, shards[clients[0]], model_name))
     cache, anchors = _ModelCache(), _ModelCache()
-    entries = []
-    for k in clients:
-        pid = node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale, anchors))
-        entries.append((client_name(k), pid, k))
+
+    def start_client(k: int) -> Pid:
+        return node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale, anchors))
+
+    entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)
     deadline = time.monotonic() + startup_timeout
     server_pid = node.whereis(server)
@@ -281,5 +285,32 @@ def host_clients(
             raise TimeoutError(f"no process registered as {server!r} within {startup_timeout:.0f}s")
         time.sleep(0.2)
         server_pid = node.whereis(server)
+    if restarts > 0:
+        node.spawn(lambda proc: _supervise(proc, {pid: k for _, pid, k in entries}, start_client, server_pid,
+                                           restarts))
     node.send(server_pid, WorkerReady(node.name, [[k, pid] for _, pid, k in entries]))
     log.info("node %s hosts clients %d..%d (%d)", node.name, clients.start, clients.stop - 1, len(clients))
+
+
+def _supervise(proc, clients: dict[Pid, int], start_client, server_pid: Pid, limit: int) -> None:
+    """One-for-one supervision (as in OTP) of this node's clients: a client that crashes
+    is started afresh, under its name, and the server is told its new pid; one that
+    exits normally, or has crashed ``limit`` times, stays down."""
+    from fedemu.node import Down
+
+    watched = {proc.monitor(pid): k for pid, k in clients.items()}
+    crashes: dict[int, int] = {}
+    while watched:
+        msg = proc.receive(Down)
+        k = watched.pop(msg.body.ref, None)
+        if k is None or not msg.body.reason.startswith("crash"):
+            continue
+        crashes[k] = crashes.get(k, 0) + 1
+        if crashes[k] > limit:
+            log.warning("client %d crashed %d times; not restarting it (%s)", k, crashes[k], msg.body.reason)
+            continue
+        pid = start_client(k)
+        proc.node.register_many([(client_name(k), pid, k)])
+        watched[proc.monitor(pid)] = k
+        log.warning("client %d crashed (%s); restarted as %s (%d of %d)", k, msg.body.reason, pid, crashes[k], limit)
+        proc.send(server_pid, WorkerReady(proc.node.name, [[k, pid]]))
