@@ -55,6 +55,9 @@ class Strategy:
 
 
 def _average(replies: Sequence[TrainReply]) -> np.ndarray:
+    # In client order, not arrival order: float sums depend on order, and arrival order
+    # depends on timing, so the same seed gives the same model wherever clients run.
+    replies = sorted(replies, key=lambda r: r.client)
     return weighted_average([r.update for r in replies], [r.num_samples for r in replies])
 
 
