@@ -153,9 +153,12 @@ class LocalRun:
     def stop(self, grace: float = 15.0) -> None:
         """Let every process exit on its own, then terminate, then kill: no strays."""
         deadline = time.monotonic() + grace
-        for proc in self.procs.values():
+        for name, proc in sorted(self.procs.items(), key=lambda item: item[0] == "broker"):
+            # The broker goes last, and briefly: a server's shutdown has already ended it,
+            # and without a server (a failed start) nothing else will.
+            wait = min(2.0, grace) if name == "broker" else deadline - time.monotonic()
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, wait))
             except subprocess.TimeoutExpired:
                 proc.terminate()
         for proc in self.procs.values():
