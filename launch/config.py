@@ -231,7 +231,9 @@ def findings(config: dict) -> list:
     from fedemu.server.checks import check
 
     network, _ = network_parts(config)
-    return check(config["algorithm"], config["data"]["clients"], network.can_drop)
+    dropout = config.get("network", {}).get("dropout", {})
+    return check(config["algorithm"], config["data"]["clients"], network.can_drop,
+                 round_dropout=dropout.get("per_round", 0.0) if isinstance(dropout, dict) else 0.0)
 
 
 def network_parts(config: dict):

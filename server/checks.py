@@ -16,8 +16,9 @@ class Finding:
     waivable_by: str | None = None  # the config key that accepts the risk
 
 
-def check(algorithm: dict, clients: int, network_can_drop: bool) -> list[Finding]:
-    """Findings for an [algorithm] section with K = ``clients``."""
+def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: float = 0.0) -> list[Finding]:
+    """Findings for an [algorithm] section with K = ``clients``; ``round_dropout`` is
+    network.dropout.per_round."""
     findings: list[Finding] = []
     name, K = algorithm["name"], clients
     if name == "coop":
@@ -69,7 +70,13 @@ def check(algorithm: dict, clients: int, network_can_drop: bool) -> list[Finding
                 "a synchronous round with no deadline (algorithm.deadline_s = 0) waits for every selected client, "
                 "but the network can drop clients or messages (drop-out or loss is configured): a round could "
                 "wait forever. Set algorithm.deadline_s", True))
-    elif algorithm.get("over_select", 0):
+    elif round_dropout:
+        findings.append(Finding(
+            "dropout-per-round-async",
+            f"network.dropout.per_round = {round_dropout} draws drop-outs at each round, but {name!r} is "
+            f"asynchronous and has no rounds, so it would never take effect: use network.dropout.on_off or "
+            f"windows", True))
+    if name not in ("fedavg", "fedsgd", "fsvrg") and algorithm.get("over_select", 0):
         findings.append(Finding(
             "over-select-not-applicable",
             f"algorithm.over_select = {algorithm['over_select']} applies to round-based rules (fedavg, fedsgd); "

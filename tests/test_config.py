@@ -90,3 +90,11 @@ def test_m_is_floor_of_C_times_K_at_least_one():
     assert selected_per_round(0.15, 10) == 1
     assert selected_per_round(0.3, 10) == 3  # 0.3 * 10 is 2.9999999999999996 in floats
     assert selected_per_round(1.0, 7) == 7
+
+
+@pytest.mark.parametrize("name", ["coop", "fedasync", "fedbuff"])
+def test_per_round_dropout_is_refused_for_rules_without_rounds(name):
+    sets = [f"algorithm.name={name}", "network.dropout.per_round=0.2", "algorithm.b_l=2", "algorithm.b_u=5"]
+    with pytest.raises(ConfigError, match=rf"network.dropout.per_round = 0.2 .* {name!r} is asynchronous"):
+        config.load(None, sets)
+    config.load(None, sets[:1] + ["network.dropout.on_off.mean_up_s=60", "network.dropout.on_off.mean_down_s=5"] + sets[2:])
