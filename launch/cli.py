@@ -166,3 +166,11 @@ def host_agent() -> None:
     from .agent import run_agent
 
     sys.exit(run_agent())
+
+
+# The study commands (issue 7) live in study_cli.py.
+from .study_cli import compare as _compare, report as _report, sweep as _sweep  # noqa: E402
+
+main.add_command(_sweep)
+main.add_command(_report)
+main.add_command(_compare)

@@ -220,6 +220,12 @@ def validate(config: dict) -> None:
                 f"[compression] applies to model updates (algorithm.name = {', '.join(COMPRESSIBLE)}: each "
                 f"sends the delta from the model it trained from); algorithm.name = {name!r} uploads "
                 f"{UNCOMPRESSIBLE[name]}, which the update codecs do not encode")
+    from fedemu.worker import kfold
+
+    try:
+        kfold.check(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     refused = [f.message for f in findings(config) if f.blocking
                and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
     if refused:

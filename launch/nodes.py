@@ -92,13 +92,14 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.server.async_engine import ASYNC_RULES, AsyncEngine, make_rule
     from fedemu.server.engine import RoundEngine, Settings, Stop
     from fedemu.server.runlog import RunLog
-    from fedemu.worker import data
+    from fedemu.worker import data, kfold
     from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
     run, algo = config["run"], config["algorithm"]
     _set_torch_threads(config, 1)
-    dataset = data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None)
+    # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
+    dataset, _ = kfold.run_data(config, data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None))
     asynchronous = algo["name"] in ASYNC_RULES
     settings = Settings(
         clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
@@ -153,16 +154,18 @@ def _compression(config: dict) -> dict | None:
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
     from fedemu.launch.config import network_parts
-    from fedemu.worker import data, partition
+    from fedemu.worker import data, kfold, partition
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)
     _, stragglers = network_parts(config)
     data_cfg = config["data"]
     _set_torch_threads(config, workers)
-    dataset = data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None)
-    opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
-    shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"], config["run"]["seed"], **opts)
+    dataset, shards = kfold.run_data(config, data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None))
+    if shards is None:
+        opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
+        shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"],
+                                config["run"]["seed"], **opts)
     node = _node(f"worker-{index}", broker, config, keys_file)
     for sig in (signal.SIGINT, signal.SIGTERM):
         # The server decides when the run ends; a worker only leaves when told, or

@@ -156,7 +156,8 @@ class Engine:
         self.live = set(self.pids)
         self._started = time.monotonic()
         self.runlog.event("start", clients=len(self.pids), placement=ready_nodes, algorithm=self.algorithm,
-                          per_round=self.settings.per_round, time_scale=self.settings.time_scale)
+                          per_round=self.settings.per_round, time_scale=self.settings.time_scale,
+                          dataset=self.dataset.name, test_samples=len(self.dataset.test_labels))
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float):
         """Receive one of ``kinds``; a Stop message ends the run from any wait."""

@@ -246,3 +246,13 @@ def test_a_crashed_client_is_restarted_by_its_supervisor_up_to_the_limit(tmp_pat
     assert 3 in rounds[restart["round"] + 1]["answered"]  # the restarted client trains again
     assert 3 not in rounds[max(rounds)]["selected"]  # over the limit it stays down
     assert processes_of(run_dir) == []
+
+
+def test_k_fold_runs_hold_out_one_fifth_of_all_70000_images(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "run.rounds=1", "data.folds=5", "data.fold=2", workers=1)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    start = next(e for e in read_events(run_dir) if e["event"] == "start")
+    assert start["dataset"] == "mnist fold 2 of 5" and start["test_samples"] == 14_000
+    assert json.loads((run_dir / "summary.json").read_text())["final_accuracy"] > 0.5

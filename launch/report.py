@@ -1,0 +1,635 @@
+"""`fedemu report`: curves, time-to-accuracy, plots and Markdown tables from run
+directories and sweeps.
+
+Everything here reads only the run-directory contract (config.toml, events.jsonl,
+summary.json) and a sweep's SQLite index, so it works on runs still in progress (a
+missing summary is a running or killed run; a torn last event line is skipped).
+matplotlib is imported only when drawing, so the sweep runner can use the rest.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fedemu.server.runlog import EVENTS, SUMMARY, read_events
+
+# What a run curve can be drawn against: (attribute, axis label, file stem, what).
+X_AXES = (
+    ("rounds", "round (asynchronous rules: evaluation)", "rounds", "rounds"),
+    ("emulated_s", "emulated time since the first round began (s)", "emulated-time", "emulated time"),
+    ("mb_up", "uploaded by clients (MB, 10^6 bytes)", "uploaded", "bytes uploaded"),
+)
+# Axes whose values are repetitions, not conditions: averaged over in sweep figures.
+REPEAT_KEYS = ("run.seed", "data.fold")
+ALGORITHM_KEY = "algorithm.name"
+ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedsgd": "FedSGD", "fsvrg": "FSVRG", "coop": "CO-OP",
+                   "fedasync": "FedAsync", "fedbuff": "FedBuff"}
+
+
+class ReportError(ValueError):
+    """A path that is neither a run nor a sweep, or nothing to report."""
+
+
+# --- curves and time to accuracy ------------------------------------------------------
+
+
+@dataclass
+class Curve:
+    """A run's evaluations. x values are cumulative at each evaluation: bytes count
+    every round, evaluated or not."""
+
+    rounds: np.ndarray
+    emulated_s: np.ndarray
+    mb_up: np.ndarray
+    accuracy: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.accuracy)
+
+
+def curve(events: list[dict], time_scale: float = 1.0) -> Curve:
+    rounds = [e for e in events if e.get("event") == "round"]
+    start = next((e for e in events if e.get("event") == "start"), None)
+    origin = 0.0
+    if rounds and rounds[0].get("emulated_s") is not None:
+        # The broker's clock starts before the workers are up; the run's own clock (t)
+        # starts with the server. Emulated time counts from the start event, scaled.
+        first = rounds[0]
+        if start is not None:
+            origin = first["emulated_s"] - (first["t"] - start["t"]) * start.get("time_scale", time_scale)
+        else:
+            origin = first["emulated_s"] - first.get("round_s", 0.0) * time_scale
+    xs, mb = [], 0.0
+    for e in rounds:
+        mb += e.get("bytes_up", 0) / 1e6
+        if e.get("accuracy") is None:
+            continue
+        xs.append((e["round"], max(0.0, e.get("emulated_s", math.nan) - origin), mb, e["accuracy"]))
+    arr = np.array(xs, dtype=float).reshape(-1, 4)
+    return Curve(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
+
+
+def best_so_far(accuracy: np.ndarray) -> np.ndarray:
+    return np.maximum.accumulate(accuracy) if len(accuracy) else accuracy
+
+
+def time_to_target(x: np.ndarray, accuracy: np.ndarray, target: float) -> float | None:
+    """The x at which the best-so-far accuracy first reaches ``target``, interpolated
+    linearly between the evaluation before and the one that reached it (the papers'
+    rounds-to-accuracy). None if never reached; the first x if the first evaluation
+    already reached it (there is no earlier point to interpolate from)."""
+    best = best_so_far(np.asarray(accuracy, dtype=float))
+    x = np.asarray(x, dtype=float)
+    hit = np.flatnonzero(best >= target)
+    if not hit.size:
+        return None
+    i = int(hit[0])
+    if i == 0:
+        return float(x[0])
+    # best is monotone and best[i-1] < target <= best[i], so the slope is positive.
+    frac = (target - best[i - 1]) / (best[i] - best[i - 1])
+    return float(x[i - 1] + frac * (x[i] - x[i - 1]))
+
+
+def times_to_target(c: Curve, target: float) -> dict[str, float | None]:
+    return {attr: time_to_target(getattr(c, attr), c.accuracy, target) for attr, *_ in X_AXES}
+
+
+# --- runs -------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    summary: dict | None
+    curve: Curve
+    params: dict = field(default_factory=dict)  # a sweep point's axis values
+
+    @property
+    def status(self) -> str:
+        if self.summary is not None:
+            return self.summary.get("status", "?")
+        return "running" if len(self.curve) else "started"
+
+    @property
+    def algorithm(self) -> str:
+        return self.config.get("algorithm", {}).get("name", "?")
+
+    def final_accuracy(self) -> float | None:
+        return float(self.curve.accuracy[-1]) if len(self.curve) else None
+
+    def best_accuracy(self) -> float | None:
+        return float(self.curve.accuracy.max()) if len(self.curve) else None
+
+
+def load_run(path: str | Path, params: dict | None = None) -> Run:
+    path = Path(path)
+    if not (path / "config.toml").exists():
+        raise ReportError(f"{path} is not a run directory (no config.toml)")
+    config = tomllib.loads((path / "config.toml").read_text())
+    summary = json.loads((path / SUMMARY).read_text()) if (path / SUMMARY).exists() else None
+    scale = config.get("run", {}).get("time_scale", 1.0)
+    events = read_events(path) if (path / EVENTS).exists() else []
+    return Run(path, config, summary, curve(events, scale), dict(params or {}))
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    """{"section.key": value} for every leaf of a config (tables of tables included)."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(configs: list[dict]) -> list[str]:
+    """Config keys whose values are not the same in every config (in config order)."""
+    flats = [flat(c) for c in configs]
+    keys = list(dict.fromkeys(k for f in flats for k in f))
+    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir"}
+    return [k for k in keys if k not in ignore and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def short(key: str) -> str:
+    """A readable name for a config key: its last part ("network.dropout.per_round" ->
+    "per_round"), or a known label."""
+    labels = {"algorithm.name": "algorithm", "run.seed": "seed", "network.dropout.per_round": "drop-out per round",
+              "data.fold": "fold", "algorithm.C": "C", "algorithm.E": "E", "algorithm.B": "B",
+              "network.stragglers.distribution": "stragglers"}
+    if key in labels:
+        return labels[key]
+    parts = key.split(".")
+    if parts[-1] in ("bandwidth", "latency_ms", "loss", "jitter_ms") and len(parts) >= 3:
+        direction = {"up": "uplink ", "down": "downlink "}.get(parts[-2], "")
+        return direction + {"bandwidth": "bandwidth", "latency_ms": "latency (ms)", "loss": "loss",
+                            "jitter_ms": "jitter (ms)"}[parts[-1]]
+    return parts[-1]
+
+
+def algorithm_label(name: str) -> str:
+    return ALGORITHM_NAMES.get(name, name)
+
+
+# --- sweeps -----------------------------------------------------------------------------
+
+
+@dataclass
+class SweepData:
+    path: Path
+    axes: list[str]          # axis keys in grid order
+    groups: list[list[str]]  # axes that move together ([[zip]]) share a group
+    target: float            # accuracy for time-to-target
+    runs: list[Run]          # points with a run directory
+    rows: list[dict]         # every row of the index
+
+    @property
+    def completed(self) -> list[Run]:
+        """Runs that finished: the only ones a final or time-to-target figure may use."""
+        return [r for r in self.runs if r.status == "completed"]
+
+
+def is_sweep(path: Path) -> bool:
+    return (path / "sweep.db").exists()
+
+
+def load_sweep(path: str | Path) -> SweepData:
+    path = Path(path)
+    db = sqlite3.connect(f"file:{path / 'sweep.db'}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    try:
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        rows = [dict(r) for r in db.execute("SELECT * FROM points WHERE current = 1 ORDER BY seq")]
+    finally:
+        db.close()
+    axes = json.loads(meta["axes"])
+    runs = []
+    for row in rows:
+        run_dir = path / row["run_dir"] if row["run_dir"] else None
+        if run_dir is not None and (run_dir / "config.toml").exists():
+            runs.append(load_run(run_dir, json.loads(row["params"])))
+    groups = json.loads(meta.get("groups", "null")) or [[a] for a in axes]
+    return SweepData(path, axes, groups, float(meta.get("target", 0) or 0), runs, rows)
+
+
+# --- figures ----------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on a server
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 9,
+                         "svg.hashsalt": "fedemu", "svg.fonttype": "none"})
+    return plt
+
+
+def _save(fig, out: Path, stem: str, formats: tuple[str, ...]) -> list[Path]:
+    paths = []
+    for ext in formats:
+        p = out / f"{stem}.{ext}"
+        # A fixed date keeps SVG/PNG bytes stable between identical reports.
+        meta = {"Date": None} if ext == "svg" else {}
+        fig.savefig(p, dpi=120, bbox_inches="tight", metadata=meta or None)
+        paths.append(p)
+    return paths
+
+
+def _acc_limits(values: list[np.ndarray]) -> tuple[float, float]:
+    allv = np.concatenate([v for v in values if len(v)]) * 100 if any(len(v) for v in values) else np.array([0, 100])
+    return max(0.0, float(allv.min()) - 2), min(100.0, float(allv.max()) + 1.5)
+
+
+def _colors(names: list[str]) -> dict[str, str]:
+    palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f"]
+    return {n: palette[i % len(palette)] for i, n in enumerate(names)}
+
+
+def plot_runs(runs: list[Run], out: Path, formats=("png", "svg"), title: str = "") -> list[Path]:
+    """One figure per x axis, one line per run, labelled by what differs."""
+    plt = _pyplot()
+    keys = differing_keys([r.config for r in runs])
+    labels = []
+    for r in runs:
+        label = ", ".join(f"{short(k)}={fmt(flat(r.config).get(k))}" for k in keys) if keys else r.path.name
+        if r.summary is None:
+            label += " (in progress)"
+        labels.append(label)
+    colors = _colors(labels)
+    lo, hi = _acc_limits([r.curve.accuracy for r in runs])
+    paths = []
+    for attr, xlabel, stem, what in X_AXES:
+        fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+        for r, label in zip(runs, labels):
+            x = getattr(r.curve, attr)
+            ax.plot(x, r.curve.accuracy * 100, color=colors[label], label=label, linewidth=1.6,
+                    marker="o" if len(x) < 25 else None, markersize=3)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(lo, hi)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(title or f"Test accuracy against {what}")
+        if len(runs) <= 12:
+            ax.legend(loc="lower right")
+        paths += _save(fig, out, f"accuracy-vs-{stem}", formats)
+        plt.close(fig)
+    return paths
+
+
+def _conditions(data: SweepData) -> list[str]:
+    """The axes that are conditions: not the algorithm, not repetitions, and of zipped
+    axes only the first (the others move with it, e.g. a learning rate per algorithm)."""
+    return [g[0] for g in data.groups
+            if ALGORITHM_KEY not in g and g[0] not in REPEAT_KEYS]
+
+
+def _value_key(v) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+def _axis_values(data: SweepData, key: str) -> list:
+    seen = {}
+    for r in data.runs:
+        if key in r.params:
+            seen.setdefault(_value_key(r.params[key]), r.params[key])
+    return list(seen.values())
+
+
+def _panel_grid(plt, n: int, width: float = 4.6, height: float = 3.4, sharex: bool = False):
+    cols = min(n, 3) if n != 4 else 2
+    rows = math.ceil(n / cols)
+    # Constrained layout keeps titles, labels and the figure legend from overlapping.
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8), squeeze=False, sharey=True,
+                             sharex=sharex, layout="constrained")
+    for extra in axes.flat[n:]:
+        extra.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _combos(data: SweepData, keys: list[str]) -> list[dict]:
+    combos = [{}]
+    for k in keys:
+        combos = [{**c, k: v} for c in combos for v in _axis_values(data, k)]
+    return combos
+
+
+def _matches(run: Run, combo: dict) -> bool:
+    return all(_value_key(run.params.get(k)) == _value_key(v) for k, v in combo.items())
+
+
+def _algorithms(data: SweepData) -> list[str]:
+    return list(dict.fromkeys(r.algorithm for r in data.runs))
+
+
+def plot_sweep_curves(data: SweepData, out: Path, formats=("png", "svg")) -> list[Path]:
+    """Accuracy curves: one panel per condition, one colour per algorithm, one thin line
+    per repetition (seed, fold)."""
+    plt = _pyplot()
+    conds = _conditions(data)
+    combos = _combos(data, conds)
+    algos = _algorithms(data)
+    colors = _colors(algos)
+    lo, hi = _acc_limits([r.curve.accuracy for r in data.runs])
+    paths = []
+    for attr, xlabel, stem, what in X_AXES:
+        # One x scale for every panel: how far right a curve ends is the comparison.
+        fig, panels = _panel_grid(plt, len(combos), sharex=True)
+        for ax, combo in zip(panels, combos):
+            drawn = set()
+            for r in data.runs:
+                if not _matches(r, combo) or not len(r.curve):
+                    continue
+                first = r.algorithm not in drawn
+                drawn.add(r.algorithm)
+                ax.plot(getattr(r.curve, attr), r.curve.accuracy * 100, color=colors[r.algorithm], alpha=0.8,
+                        linewidth=1.3, label=algorithm_label(r.algorithm) if first else None,
+                        linestyle="-" if r.status == "completed" else ":")
+            ax.set_title(", ".join(f"{short(k)} = {fmt(v)}" for k, v in combo.items()) or "all points")
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(lo, hi)
+        for ax in panels[:: min(len(panels), 3) if len(panels) != 4 else 2]:
+            ax.set_ylabel("test accuracy (%)")
+        _figure_legend(fig, panels, colors, algos, plt)
+        reps = [k for k in data.axes if k in REPEAT_KEYS]
+        unfinished = len(data.runs) - len(data.completed)
+        fig.suptitle(f"Test accuracy against {what}"
+                     + (f" (one line per {' and '.join(short(k) for k in reps)})" if reps else "")
+                     + (f"\n(dotted: {unfinished} run(s) not completed)" if unfinished else ""))
+        paths += _save(fig, out, f"accuracy-vs-{stem}", formats)
+        plt.close(fig)
+    return paths
+
+
+def _figure_legend(fig, panels, colors, algos, plt):
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=colors[a], linewidth=2, label=algorithm_label(a)) for a in algos]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+
+
+@dataclass
+class Cell:
+    """The repetitions of one (condition, algorithm): mean, min and max of a metric."""
+
+    values: list[float | None]
+
+    @property
+    def reached(self) -> list[float]:
+        return [v for v in self.values if v is not None]
+
+    def mean(self) -> float | None:
+        return float(np.mean(self.reached)) if self.reached else None
+
+
+def metric(run: Run, name: str, target: float) -> float | None:
+    if name == "final_accuracy":
+        v = run.final_accuracy()
+        return None if v is None else v * 100
+    if name == "best_accuracy":
+        v = run.best_accuracy()
+        return None if v is None else v * 100
+    attr = name.removeprefix("tt_")
+    return time_to_target(getattr(run.curve, attr), run.curve.accuracy, target)
+
+
+METRICS = {
+    "final_accuracy": ("final test accuracy (%)", "final accuracy"),
+    "tt_emulated_s": ("emulated time to reach {target:g}% accuracy (s)", "time to {target:g}%"),
+}
+
+
+def plot_sweep_axes(data: SweepData, out: Path, formats=("png", "svg")) -> list[Path]:
+    """For each condition axis and metric: the metric against the axis, one line per
+    algorithm (mean over repetitions, bars from min to max), one panel per value of the
+    other conditions."""
+    plt = _pyplot()
+    conds = _conditions(data)
+    algos = _algorithms(data)
+    colors = _colors(algos)
+    paths = []
+    for axis in conds:
+        values = _axis_values(data, axis)
+        others = _combos(data, [c for c in conds if c != axis])
+        for name, (ylabel, what) in METRICS.items():
+            if name.startswith("tt_") and not data.target:
+                continue
+            ylabel = ylabel.format(target=data.target * 100)
+            fig, panels = _panel_grid(plt, len(others), 4.2, 3.4)
+            missing, top = 0, 0.0
+            for ax, combo in zip(panels, others):
+                for j, algo in enumerate(algos):
+                    xs, ys, lo, hi = [], [], [], []
+                    for i, v in enumerate(values):
+                        cell = Cell([metric(r, name, data.target) for r in data.completed if r.algorithm == algo
+                                     and _matches(r, {**combo, axis: v})])
+                        missing += len(cell.values) - len(cell.reached)
+                        # Algorithms side by side, so their bars do not hide each other.
+                        x = i + (j - (len(algos) - 1) / 2) * 0.06
+                        if cell.values and cell.mean() is None:  # no repetition got there
+                            ax.plot([x], [0.96], marker="x", markersize=8, color=colors[algo], linestyle="none",
+                                    transform=ax.get_xaxis_transform(), clip_on=False)
+                            continue
+                        if cell.mean() is None:
+                            continue
+                        xs.append(x)
+                        top = max(top, *cell.reached)
+                        ys.append(cell.mean())
+                        lo.append(cell.mean() - min(cell.reached))
+                        hi.append(max(cell.reached) - cell.mean())
+                    ax.errorbar(xs, ys, yerr=[lo, hi], color=colors[algo], marker="o", capsize=3, linewidth=1.6,
+                                label=algorithm_label(algo))
+                ax.set_xticks(range(len(values)), [fmt(v) for v in values])
+                ax.set_xlim(-0.5, len(values) - 0.5)
+                ax.set_xlabel(short(axis) + _unit(axis, values))
+                ax.set_title(", ".join(f"{short(k)} = {fmt(v)}" for k, v in combo.items()) or "")
+                ax.grid(True, alpha=0.3)
+            if name.startswith("tt_"):
+                # A duration reads against zero; headroom keeps the × marks above the data.
+                panels[0].set_ylim(0, top * 1.2 or 1.0)
+            for ax in panels[:: min(len(panels), 3) if len(panels) != 4 else 2]:
+                ax.set_ylabel(ylabel)
+            _figure_legend(fig, panels, colors, algos, plt)
+            reps = [k for k in data.axes if k in REPEAT_KEYS]
+            note = f"mean of {', '.join(short(k) + 's' for k in reps)}; bars: min to max" if reps else ""
+            if missing and name.startswith("tt_"):
+                note += f"{'; ' if note else ''}×: no run reached it"
+            fig.suptitle(f"{what.format(target=data.target * 100).capitalize()} against {short(axis)}"
+                         + (f"\n({note})" if note else ""))
+            paths += _save(fig, out, f"{name.replace('_', '-')}-vs-{_slug(axis)}", formats)
+            plt.close(fig)
+    return paths
+
+
+def _unit(key: str, values: list) -> str:
+    if key.endswith("bandwidth"):
+        # "10Mbit" carries its unit; a bare number is bytes/s in the config.
+        return " (bytes/s)" if all(isinstance(v, (int, float)) for v in values) else ""
+    if key.endswith("per_round"):
+        return " (probability)"
+    return ""
+
+
+def _slug(key: str) -> str:
+    return key.replace(".", "-").replace("_", "-")
+
+
+# --- tables -----------------------------------------------------------------------------
+
+
+def _cell(v, digits: int = 2) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}"
+
+
+def run_rows(runs: list[Run], target: float, keys: list[str]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        tt = times_to_target(r.curve, target) if target else {}
+        final, best = r.final_accuracy(), r.best_accuracy()
+        rows.append([*(fmt(r.params.get(k, flat(r.config).get(k))) for k in keys), r.status,
+                     str(int(r.curve.rounds[-1])) if len(r.curve) else "0",
+                     _cell(final * 100 if final is not None else None), _cell(best * 100 if best is not None else None),
+                     _cell(r.curve.mb_up[-1] if len(r.curve) else None, 1),
+                     _cell(r.curve.emulated_s[-1] if len(r.curve) else None, 1),
+                     *([_cell(tt["rounds"], 1), _cell(tt["emulated_s"], 1), _cell(tt["mb_up"], 1)] if target else [])])
+    return rows
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _run_head(keys: list[str], target: float) -> list[str]:
+    head = [short(k) for k in keys] + ["status", "rounds", "final acc (%)", "best acc (%)", "MB up", "emulated s"]
+    if target:
+        t = f"{target * 100:g}%"
+        head += [f"rounds to {t}", f"emulated s to {t}", f"MB up to {t}"]
+    return head
+
+
+def summary_rows(data: SweepData) -> tuple[list[str], list[list[str]]]:
+    """One row per (condition, algorithm): means over repetitions."""
+    conds = _conditions(data)
+    head = [short(k) for k in conds] + ["algorithm", "runs", "final acc (%)", "best acc (%)"]
+    if data.target:
+        head += [f"reached {data.target * 100:g}%", f"emulated s to {data.target * 100:g}%"]
+    rows = []
+    for combo in _combos(data, conds):
+        for algo in _algorithms(data):
+            runs = [r for r in data.completed if r.algorithm == algo and _matches(r, combo)]
+            if not runs:
+                continue
+            row = [*(fmt(v) for v in combo.values()), algorithm_label(algo), str(len(runs)),
+                   _cell(Cell([metric(r, "final_accuracy", 0) for r in runs]).mean()),
+                   _cell(Cell([metric(r, "best_accuracy", 0) for r in runs]).mean())]
+            if data.target:
+                cell = Cell([metric(r, "tt_emulated_s", data.target) for r in runs])
+                row += [f"{len(cell.reached)}/{len(runs)}", _cell(cell.mean(), 1)]
+            rows.append(row)
+    return head, rows
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+def report(paths: list[str | Path], out: str | Path | None = None, target: float | None = None,
+           formats: tuple[str, ...] = ("png", "svg")) -> Path:
+    """Write figures and report.md for runs and/or sweeps; returns the report folder."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ReportError("give at least one run directory or sweep directory")
+    for p in paths:
+        if not p.is_dir():
+            raise ReportError(f"{p} does not exist or is not a directory")
+        if not is_sweep(p) and not (p / "config.toml").exists():
+            raise ReportError(f"{p} is neither a run directory (config.toml) nor a sweep directory (sweep.db)")
+    if out is None:
+        out = paths[0] / "report" if len(paths) == 1 and is_sweep(paths[0]) else Path("report")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = ["# fedemu report", ""]
+    sweeps = [p for p in paths if is_sweep(p)]
+    runs = [load_run(p) for p in paths if not is_sweep(p)]
+    for s in sweeps:
+        data = load_sweep(s)
+        if target is not None:
+            data.target = target
+        sub = out if len(sweeps) == 1 and not runs else out / s.name
+        sub.mkdir(parents=True, exist_ok=True)
+        md += _sweep_section(data, sub, out, formats)
+    if runs:
+        tgt = target if target is not None else max((r.config.get("run", {}).get("target_accuracy", 0) for r in runs),
+                                                     default=0)
+        sub = out if not sweeps else out / "runs"
+        sub.mkdir(parents=True, exist_ok=True)
+        md += _runs_section(runs, tgt, sub, out, formats)
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return out
+
+
+def _images(paths: list[Path], root: Path) -> list[str]:
+    """Markdown image links: the PNG of each figure, or its first format if no PNG."""
+    first: dict[str, Path] = {}
+    for p in paths:
+        if p.stem not in first or p.suffix == ".png":
+            first[p.stem] = p
+    return [f"![{p.stem}]({p.relative_to(root)})" for p in first.values()]
+
+
+def _runs_section(runs: list[Run], target: float, sub: Path, root: Path, formats) -> list[str]:
+    keys = differing_keys([r.config for r in runs])
+    md = [f"## {len(runs)} run(s)", ""]
+    figures = plot_runs(runs, sub, formats) if any(len(r.curve) for r in runs) else []
+    head = ["run", *_run_head(keys, target)]
+    rows = [[r.path.name, *row] for r, row in zip(runs, run_rows(runs, target, keys))]
+    md += [markdown_table(head, rows), ""]
+    if target:
+        md += [f"Time to {target * 100:g}% accuracy: on the best-so-far curve, interpolated linearly "
+               "between evaluations; – where it was never reached.", ""]
+    return md + _images(figures, root) + [""]
+
+
+def _sweep_section(data: SweepData, sub: Path, root: Path, formats) -> list[str]:
+    counts: dict[str, int] = {}
+    for row in data.rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    md = [f"## Sweep {data.path.name}", "",
+          f"{len(data.rows)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+          f"axes: {', '.join(f'`{a}`' for a in data.axes)}.", ""]
+    if not data.runs:
+        return md + ["No point has a run directory yet.", ""]
+    figures = plot_sweep_curves(data, sub, formats) + plot_sweep_axes(data, sub, formats)
+    head, rows = summary_rows(data)
+    reps = [k for k in data.axes if k in REPEAT_KEYS]
+    md += [f"### Per condition and algorithm{' (mean over ' + ', '.join(short(k) + 's' for k in reps) + ')' if reps else ''}"
+           + ", completed runs only",
+           "", markdown_table(head, rows), ""]
+    md += _images(figures, root) + [""]
+    md += ["### Every point", "", markdown_table(_run_head(data.axes, data.target),
+                                                 run_rows(data.runs, data.target, data.axes)), ""]
+    if data.target:
+        md += [f"Time to {data.target * 100:g}% accuracy: on the best-so-far curve, interpolated linearly "
+               "between evaluations; – where it was never reached.", ""]
+    return md

@@ -1,0 +1,88 @@
+"""The study commands: `fedemu sweep`, `fedemu report`, `fedemu compare` (registered on
+the main group at the end of cli.py)."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+
+@click.command()
+@click.argument("sweep_file", type=click.Path(dir_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), help="Sweep directory (default: sweep.out, or sweeps/<name>).")
+@click.option("--parallel", type=int, help="Points at once (default: sweep.parallel; 0: cores / workers per point).")
+@click.option("--workers-per-point", type=int, help="Worker nodes per point (default: sweep.workers_per_point, 1).")
+@click.option("--dry-run", is_flag=True, help="List the points and exit.")
+def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_point: int | None, dry_run: bool) -> None:
+    """Run every point of SWEEP_FILE's grid; rerun to resume (completed points are skipped,
+    failed and interrupted ones retried)."""
+    from fedemu.worker.data import DatasetError
+
+    from .sweep import SweepError, load_spec, run_sweep
+
+    if parallel is not None and parallel < 0 or workers_per_point is not None and workers_per_point < 1:
+        raise click.ClickException("--parallel must be >= 0 and --workers-per-point >= 1")
+    # SIGTERM stops the sweep as Ctrl-C does: running points are interrupted and recorded.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        spec = load_spec(sweep_file, out)
+        counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, echo=click.echo,
+                           dry_run=dry_run)
+    except (SweepError, DatasetError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("sweep interrupted; run the same command again to resume it")
+        sys.exit(130)
+    if dry_run:
+        return
+    click.echo("sweep: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+    click.echo(f"sweep directory: {spec.out.resolve()}  (index: sweep.db; `fedemu report {spec.out}` draws it)")
+    if counts.get("failed") or counts.get("interrupted"):
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: SWEEP/report, or ./report).")
+@click.option("--target", type=float, help="Accuracy for time to target, e.g. 0.9 (default: the sweep's or run's).")
+@click.option("--format", "formats", default="png,svg", show_default=True, help="Figure formats, comma-separated.")
+def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str) -> None:
+    """Plots and a Markdown table for runs (finished or not) and sweeps."""
+    from .report import ReportError, report as make_report
+
+    if target is not None and not 0 < target <= 1:
+        raise click.ClickException(f"--target {target} must be an accuracy in (0, 1]")
+    kinds = tuple(f.strip() for f in formats.split(",") if f.strip())
+    bad = set(kinds) - {"png", "svg", "pdf"}
+    if bad or not kinds:
+        raise click.ClickException(f"--format: choose among png, svg, pdf (got {formats!r})")
+    try:
+        folder = make_report(list(paths), out, target, kinds)
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"report: {folder / 'report.md'}")
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--by", default="algorithm.name", show_default=True, help="Config key whose values are compared.")
+@click.option("--metric", default="final_accuracy", show_default=True,
+              type=click.Choice(["final_accuracy", "best_accuracy"]))
+@click.option("--rope", default=0.01, show_default=True, help="Region of practical equivalence, in accuracy (0.01 = 1 point).")
+@click.option("--decide", default=0.95, show_default=True, help="Posterior mass a region needs for +, - or =.")
+@click.option("--where", multiple=True, metavar="SECTION.KEY=VALUE", help="Only runs with this config value.")
+@click.option("--out", type=click.Path(file_okay=False), help="Folder for compare.md and the posterior plots.")
+def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: float, where: tuple[str, ...],
+            out: str | None) -> None:
+    """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps
+    or run directories), paired by seed and fold, as Nilsson et al. 2018 did."""
+    from .compare import CompareError, run
+    from .report import ReportError
+
+    try:
+        text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out)
+    except (CompareError, ReportError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(text)
+    click.echo(f"\nposterior plots and compare.md: {folder}")

@@ -1,0 +1,104 @@
+"""`fedemu compare`: the Bayesian correlated t-test on synthetic accuracies with a known
+answer, checked against the closed form, and the table like Nilsson et al.'s Table 1."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from scipy import stats
+
+from fedemu.launch import compare
+from fedemu.launch.cli import main
+from tests.test_report import make_run
+
+SEEDS, FOLDS = (1, 2, 3), range(5)  # three repetitions of 5-fold cross-validation, as the paper
+
+
+def synthetic(name: str, rep: tuple[int, int]) -> float:
+    """Accuracies with a known ordering: FedAvg 5 points above FSVRG; CO-OP 0.1 point
+    above FedAvg (practically equivalent with a 1-point rope). A shared fold effect
+    makes the pairs correlated, as k-fold results are."""
+    seed, fold = rep
+    fold_effect = 0.004 * np.sin(seed * 5 + fold)
+    noise = 0.0015 * np.cos(seed * 13 + fold * 7 + len(name))
+    return {"fedavg": 0.95, "coop": 0.951, "fsvrg": 0.90}[name] + fold_effect + noise
+
+
+def make_runs(tmp_path, names=("fedavg", "coop", "fsvrg"), extra: dict | None = None):
+    dirs = []
+    for name in names:
+        for seed in SEEDS:
+            for fold in FOLDS:
+                acc = synthetic(name, (seed, fold))
+                dirs.append(make_run(tmp_path / f"{name}-{seed}-{fold}", [acc - 0.1, acc], sets={
+                    "algorithm.name": name, "run.seed": seed, "data.folds": 5, "data.fold": fold, **(extra or {})}))
+    return dirs
+
+
+def test_the_known_answer_and_the_closed_form(tmp_path):
+    runs = compare.collect(make_runs(tmp_path))
+    results, names, note = compare.compare(runs, rope=0.01)
+    assert names == ["fedavg", "coop", "fsvrg"]
+    assert note == "3 repetition(s) of 5-fold cross-validation"
+    by_pair = {(r.a, r.b): r for r in results}
+
+    fedavg_fsvrg = by_pair[("fedavg", "fsvrg")]
+    assert fedavg_fsvrg.p_a > 0.99  # FedAvg practically better
+    fedavg_coop = by_pair[("fedavg", "coop")]
+    assert fedavg_coop.p_rope > 0.95  # practically equivalent
+
+    # The closed form (Corani and Benavoli 2015): Student posterior of the mean
+    # difference with the Nadeau-Bengio variance correction 1/n + 1/(k - 1).
+    keys = [(s, f) for s in SEEDS for f in FOLDS]
+    diff = np.array([synthetic("fsvrg", k) - synthetic("fedavg", k) for k in keys])
+    n, k = len(diff), 5
+    scale = np.sqrt(diff.var(ddof=1) * (1 / n + 1 / (k - 1)))
+    p_left = stats.t.cdf(-0.01, n - 1, diff.mean(), scale)
+    p_right = 1 - stats.t.cdf(0.01, n - 1, diff.mean(), scale)
+    assert fedavg_fsvrg.mean == pytest.approx(diff.mean())
+    assert (fedavg_fsvrg.p_a, fedavg_fsvrg.p_rope, fedavg_fsvrg.p_b) == pytest.approx(
+        (p_left, 1 - p_left - p_right, p_right))
+
+
+def test_the_table_reads_like_nilssons_table_1(tmp_path):
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["compare", *map(str, make_runs(tmp_path)), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    # Row against column: FedAvg beats FSVRG, equals CO-OP; FSVRG loses to both.
+    assert "| FedAvg | · | = | + |" in lines
+    assert "| CO-OP | = | · | + |" in lines
+    assert "| FSVRG | - | - | · |" in lines
+    row = next(line for line in lines if line.startswith("| FedAvg | FSVRG |"))
+    assert "| 1.000 | 0.000 | 0.000 | 15 |" in row  # P(FedAvg better), P(equivalent), P(FSVRG better), pairs
+    assert (out / "posteriors.png").stat().st_size > 10_000
+    svg = (out / "posteriors.svg").read_text()
+    assert "accuracy difference FSVRG − FedAvg (percentage points)" in svg
+    assert "| FSVRG | - | - | · |" in (out / "compare.md").read_text()
+
+
+def test_a_tight_decision_threshold_leaves_a_pair_undecided(tmp_path):
+    runs = compare.collect(make_runs(tmp_path, names=("fedavg", "coop")))
+    results, names, _ = compare.compare(runs, rope=0.001)  # a rope narrower than the 0.1-point gap
+    r = results[0]
+    assert max(r.p_a, r.p_rope, r.p_b) < 0.95
+    assert compare.verdict(r, "fedavg", 0.95) == "?"
+
+
+def test_runs_differing_in_more_than_seed_and_fold_are_refused(tmp_path):
+    dirs = make_runs(tmp_path / "a", names=("fedavg", "fsvrg"))
+    dirs += make_runs(tmp_path / "b", names=("fedavg", "fsvrg"), extra={"algorithm.E": 5})
+    with pytest.raises(compare.CompareError, match=r"differ in algorithm.E \(1, 5\).*--where algorithm.E=VALUE"):
+        compare.compare(compare.collect(dirs))
+    results, _, _ = compare.compare(compare.collect(dirs, where=["algorithm.E=5"]))
+    assert results[0].p_a > 0.99
+
+
+def test_unpaired_or_single_groups_are_refused(tmp_path):
+    dirs = make_runs(tmp_path, names=("fedavg", "fsvrg"))
+    with pytest.raises(compare.CompareError, match=r"not run on the same \(seed, fold\) pairs; missing: fsvrg: \[\(3, 4\)\]"):
+        compare.compare(compare.collect(dirs[:-1]))
+    with pytest.raises(compare.CompareError, match="every run has algorithm.name = fedavg: nothing to compare"):
+        compare.compare(compare.collect(dirs[:15]))
+    result = CliRunner().invoke(main, ["compare", *map(str, dirs[:15])])
+    assert result.exit_code == 1 and "nothing to compare" in result.output

@@ -1,0 +1,136 @@
+"""`fedemu report`: time to target on hand-made curves, curves from event logs, and the
+report's files for runs (finished and in progress) and sweeps."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedemu.launch import config as configuration
+from fedemu.launch import report
+from fedemu.launch.cli import main
+
+
+def make_run(run_dir: Path, accuracies: list[float | None], *, sets: dict | None = None, finished: bool = True,
+             bytes_per_round: int = 2_000_000, seconds_per_round: float = 2.0, time_scale: float = 1.0,
+             status: str = "completed", config: dict | None = None) -> Path:
+    """A run directory as the server writes it: config.toml, events.jsonl, summary.json."""
+    config = config or configuration.default()
+    config["run"]["time_scale"] = time_scale
+    for key, value in (sets or {}).items():
+        section, _, name = key.partition(".")
+        config[section][name] = value
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(configuration.to_toml(config))
+    broker_start = 7.0  # the broker's clock runs before the server starts
+    events = [{"event": "start", "t": 0.5, "clients": 100, "time_scale": time_scale}]
+    for i, acc in enumerate(accuracies, start=1):
+        t = 0.5 + i * seconds_per_round / time_scale
+        events.append({"event": "round", "t": t, "round": i, "accuracy": acc, "bytes_up": bytes_per_round,
+                       "emulated_s": broker_start + t * time_scale, "round_s": seconds_per_round / time_scale})
+    if finished:
+        events.append({"event": "end", "t": events[-1]["t"], "status": status})
+    with open(run_dir / "events.jsonl", "w") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+        if not finished:
+            f.write('{"event": "round", "t": 99, "rou')  # a torn line: the server is mid-write
+    if finished:
+        seen = [a for a in accuracies if a is not None]
+        (run_dir / "summary.json").write_text(json.dumps({
+            "status": status, "rounds": len(accuracies), "final_accuracy": seen[-1] if seen else None,
+            "best_accuracy": max(seen) if seen else None, "bytes_up": bytes_per_round * len(accuracies),
+            "bytes_down": 0, "uploads": 10 * len(accuracies), "wall_s": 1.0}))
+    return run_dir
+
+
+# --- time to target ------------------------------------------------------------------
+
+
+def test_time_to_target_interpolates_on_the_best_so_far_curve():
+    x = np.array([1, 2, 3, 4, 5], dtype=float)
+    acc = np.array([0.50, 0.80, 0.70, 0.90, 0.95])
+    # Best so far: 0.50 0.80 0.80 0.90 0.95. 0.85 lies halfway from 0.80 (x=3) to 0.90 (x=4);
+    # interpolating on the raw curve would start from the dip at 0.70 and give 3.75.
+    assert report.time_to_target(x, acc, 0.85) == pytest.approx(3.5)
+    # 0.65: from (1, 0.50) to (2, 0.80), half way.
+    assert report.time_to_target(x, acc, 0.65) == pytest.approx(1.5)
+    assert report.time_to_target(x, acc, 0.90) == pytest.approx(4.0)  # reached exactly at a point
+    assert report.time_to_target(x, acc, 0.96) is None                 # never reached
+    assert report.time_to_target(x, acc, 0.40) == 1.0                  # already at the first evaluation
+
+
+def test_time_to_target_on_other_axes_uses_their_spacing():
+    seconds = np.array([10.0, 30.0, 35.0])
+    acc = np.array([0.6, 0.7, 0.9])
+    assert report.time_to_target(seconds, acc, 0.8) == pytest.approx(32.5)
+    assert report.time_to_target([], [], 0.5) is None
+
+
+def test_curve_counts_bytes_of_every_round_and_time_from_the_start(tmp_path):
+    run = report.load_run(make_run(tmp_path / "r", [0.5, None, 0.7, 0.9], time_scale=10.0))
+    c = run.curve
+    assert list(c.rounds) == [1, 3, 4]                      # round 2 was not evaluated ...
+    assert list(c.mb_up) == pytest.approx([2.0, 6.0, 8.0])  # ... but its bytes count
+    # Two emulated seconds per round, counted from the start event, not the broker's start.
+    assert list(c.emulated_s) == pytest.approx([2.0, 6.0, 8.0])
+    tt = report.times_to_target(c, 0.8)
+    assert tt == pytest.approx({"rounds": 3.5, "emulated_s": 7.0, "mb_up": 7.0})
+
+
+# --- report files --------------------------------------------------------------------
+
+
+def test_report_on_runs_writes_figures_and_a_table(tmp_path):
+    a = make_run(tmp_path / "a", [0.6, 0.8, 0.9], sets={"algorithm.name": "fedavg"})
+    b = make_run(tmp_path / "b", [0.5, 0.6, 0.7, 0.75], sets={"algorithm.name": "fsvrg"}, finished=False)
+    out = tmp_path / "rep"
+    result = CliRunner().invoke(main, ["report", str(a), str(b), "--out", str(out), "--target", "0.85"])
+    assert result.exit_code == 0, result.output
+    for stem in ("accuracy-vs-rounds", "accuracy-vs-emulated-time", "accuracy-vs-uploaded"):
+        assert (out / f"{stem}.png").stat().st_size > 5000
+        assert (out / f"{stem}.svg").read_text().lstrip().startswith("<?xml")
+    md = (out / "report.md").read_text()
+    lines = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| a") or line.startswith("| b")}
+    # Labelled by what differs; the running one is marked; time to 85%: round 2.5 for a.
+    assert "| fedavg | completed | 3 | 90.00 | 90.00 |" in lines["a"]
+    assert "| 2.5 | 5.0 | 5.0 |" in lines["a"]
+    assert "| fsvrg | running | 4 | 75.00 |" in lines["b"] and lines["b"].rstrip().endswith("| – | – | – |")
+    assert "![accuracy-vs-emulated-time](accuracy-vs-emulated-time.png)" in md
+    svg = (out / "accuracy-vs-emulated-time.svg").read_text()
+    assert "emulated time since the first round began (s)" in svg and "test accuracy (%)" in svg
+    assert "algorithm=fsvrg (in progress)" in svg  # the legend says which run is still going
+
+
+def test_report_refuses_what_is_not_a_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "empty")])
+    assert result.exit_code != 0
+    assert "neither a run directory (config.toml) nor a sweep directory (sweep.db)" in result.output
+
+
+def test_report_on_a_sweep(tmp_path):
+    from tests.test_sweep import fake_sweep
+
+    sweep_dir = fake_sweep(tmp_path)
+    result = CliRunner().invoke(main, ["report", str(sweep_dir), "--format", "svg"])  # svg: cheaper to draw
+    assert result.exit_code == 0, result.output
+    out = sweep_dir / "report"
+    names = {p.name for p in out.glob("*.svg")}
+    # The zipped learning rate moves with the algorithm: it is no axis of its own.
+    assert names == {"accuracy-vs-rounds.svg", "accuracy-vs-emulated-time.svg", "accuracy-vs-uploaded.svg",
+                     "final-accuracy-vs-network-dropout-per-round.svg",
+                     "tt-emulated-s-vs-network-dropout-per-round.svg"}
+    md = (out / "report.md").read_text()
+    # Per (condition, algorithm), averaged over the two seeds: the fake accuracies are
+    # 0.9 - dropout (fedavg) and 0.8 - dropout (fedsgd), plus 0.01 * (seed - 1).
+    assert "| 0 | FedAvg | 2 | 90.50 |" in md
+    assert "| 0.3 | FedSGD | 2 | 50.50 |" in md
+    assert "| 0.3 | FedSGD | 2 | 50.50 | 50.50 | 0/2 | – |" in md  # never reached 85%
+    assert "![accuracy-vs-uploaded](accuracy-vs-uploaded.svg)" in md
+    svg = (out / "final-accuracy-vs-network-dropout-per-round.svg").read_text()
+    assert "drop-out per round (probability)" in svg and "final test accuracy (%)" in svg
+    assert "FedAvg" in svg and "FedSGD" in svg

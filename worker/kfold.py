@@ -1,0 +1,137 @@
+"""k-fold cross-validation partitions of a whole data set, as in Nilsson et al. (2018), 4.2.
+
+For cross-validation the training and test images are pooled (MNIST: 70,000) and cut
+into k folds; a run trains on k - 1 folds and tests on the one held out. Every client
+owns a part of *every* fold, so holding out fold f removes the same share from each
+client and the runs over f = 0..k-1 are paired, which the correlated t-test assumes.
+
+IID: shuffle, cut into k folds, cut each fold into K equal parts; client c gets part c
+of every fold (MNIST, k = 5, K = 100: 140 images per fold, 560 with one held out).
+
+Non-IID, the paper's six steps:
+  (1) shuffle the data set, (2) divide it into k folds, (3) sort each fold by label,
+  (4) divide each fold into K * s shards (MNIST: 200 shards of 70), (5) give each
+  client s distinct random shard *positions*, (6) give it the shards at its positions
+  in every fold.
+Sorted folds put the same labels at the same positions, so a client still sees about
+s labels although it holds s shards in each of the k folds.
+
+Indices refer to the pooled set: train images first, then test images.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KFold:
+    """Client parts of every fold: ``parts[f][c]`` holds client c's indices in fold f."""
+
+    parts: list[list[np.ndarray]]
+
+    @property
+    def k(self) -> int:
+        return len(self.parts)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.parts[0])
+
+    def fold(self, f: int) -> np.ndarray:
+        """Every index in fold f, sorted."""
+        self._check(f)
+        return np.sort(np.concatenate(self.parts[f]))
+
+    def train(self, held_out: int) -> list[np.ndarray]:
+        """Each client's training indices: its parts of every fold but ``held_out``."""
+        self._check(held_out)
+        return [np.sort(np.concatenate([self.parts[f][c] for f in range(self.k) if f != held_out]))
+                for c in range(self.num_clients)]
+
+    def test(self, held_out: int) -> np.ndarray:
+        """The held-out fold: the test set of the run that leaves it out."""
+        return self.fold(held_out)
+
+    def _check(self, f: int) -> None:
+        if not 0 <= f < self.k:
+            raise ValueError(f"fold {f} does not exist; folds are 0..{self.k - 1}")
+
+
+def _check_split(n: int, parts: int, what: str) -> int:
+    if parts <= 0:
+        raise ValueError(f"{what} must be positive, got {parts}")
+    if n % parts:
+        raise ValueError(f"{n} samples do not split into {parts} equal {what} (remainder {n % parts})")
+    return n // parts
+
+
+def iid(n_samples: int, k: int, num_clients: int, seed: int) -> KFold:
+    """Shuffle, k folds, each fold in num_clients equal parts."""
+    if k < 2:
+        raise ValueError(f"k-fold needs at least 2 folds, got {k}")
+    fold_size = _check_split(n_samples, k, "folds")
+    _check_split(fold_size, num_clients, f"client parts of a fold of {fold_size}")
+    order = np.random.default_rng(seed).permutation(n_samples).astype(np.int64)
+    return KFold([[np.sort(p) for p in fold.reshape(num_clients, -1)] for fold in order.reshape(k, fold_size)])
+
+
+def non_iid(labels: np.ndarray, k: int, num_clients: int, shards_per_client: int, seed: int) -> KFold:
+    """Nilsson et al.'s six steps (module docstring)."""
+    if k < 2:
+        raise ValueError(f"k-fold needs at least 2 folds, got {k}")
+    labels = np.asarray(labels)
+    fold_size = _check_split(len(labels), k, "folds")
+    num_shards = num_clients * shards_per_client
+    _check_split(fold_size, num_shards, f"shards of a fold of {fold_size} ({num_clients} clients x {shards_per_client})")
+    rng = np.random.default_rng(seed)
+    folds = rng.permutation(len(labels)).astype(np.int64).reshape(k, fold_size)          # (1), (2)
+    # Stable, so the order within a label is the shuffle's and the split is reproducible.
+    folds = [fold[np.argsort(labels[fold], kind="stable")] for fold in folds]           # (3)
+    shards = [fold.reshape(num_shards, -1) for fold in folds]                           # (4)
+    positions = rng.permutation(num_shards).reshape(num_clients, shards_per_client)     # (5)
+    return KFold([[np.sort(table[pos].ravel()) for pos in positions] for table in shards])  # (6)
+
+
+def make(partition: str, labels: np.ndarray, k: int, num_clients: int, seed: int,
+         shards_per_client: int = 2) -> KFold:
+    """The k-fold split for ``data.partition`` ("iid" or "shards")."""
+    if partition == "iid":
+        return iid(len(labels), k, num_clients, seed)
+    if partition == "shards":
+        return non_iid(labels, k, num_clients, shards_per_client, seed)
+    raise ValueError(f"no k-fold split for partition {partition!r}; use 'iid' or 'shards'")
+
+
+def check(config: dict) -> None:
+    """Refuse data.fold outside 0..data.folds-1 (a rule across two keys)."""
+    folds, fold = config["data"].get("folds", 0), config["data"].get("fold", 0)
+    if folds and not 0 <= fold < folds:
+        raise ValueError(f"data.fold = {fold} must be in 0..{folds - 1} (data.folds = {folds})")
+    if not folds and fold:
+        raise ValueError(f"data.fold = {fold} needs data.folds >= 2 (k-fold cross-validation)")
+
+
+def run_data(config: dict, dataset):
+    """(dataset, client index arrays) for a run; (dataset, None) without k-fold.
+
+    With data.folds = k >= 2 the returned dataset's training arrays are the pooled set
+    (train + test) and its test arrays are the held-out fold data.fold; the client
+    arrays index the pooled set. The server evaluates on the held-out fold and the
+    clients train on the rest, with the same split in every node (seeded by run.seed:
+    each seed is one repetition of k-fold cross-validation).
+    """
+    from fedemu.worker.data import Dataset
+
+    data, k = config["data"], config["data"].get("folds", 0)
+    if not k:
+        return dataset, None
+    check(config)
+    images = np.concatenate([dataset.train_images, dataset.test_images])
+    labels = np.concatenate([dataset.train_labels, dataset.test_labels])
+    split = make(data["partition"], labels, k, data["clients"], config["run"]["seed"], data["shards_per_client"])
+    test = split.test(data["fold"])
+    view = Dataset(name=f"{dataset.name} fold {data['fold']} of {k}", train_images=images, train_labels=labels,
+                   test_images=images[test], test_labels=labels[test], num_classes=dataset.num_classes)
+    return view, split.train(data["fold"])
