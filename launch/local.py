@@ -52,8 +52,12 @@ class LocalRun:
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         out = open(self.run_dir / "logs" / f"{name}.out", "ab")
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
+        # the run in order (server first, which tells the nodes and the broker to leave).
+        # Were the broker hit at the same moment, the server could lose it mid-shutdown.
         proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         out.close()
         self.procs[name] = proc
         return proc

@@ -124,7 +124,7 @@ class RemoteHost:
     def start(self, argv: list[str], bundle: dict) -> None:
         ssh_log = open(self.run_dir / "logs" / f"ssh-{self.host.label}.log", "ab")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_log,
-                                     text=True, errors="replace")
+                                     text=True, errors="replace", start_new_session=True)  # see LocalRun._start
         ssh_log.close()
         self.proc.stdin.write(json.dumps(bundle) + "\n")
         self.proc.stdin.flush()

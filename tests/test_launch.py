@@ -214,8 +214,13 @@ def crash_client(run_dir: Path, k: int) -> None:
     try:
         pid = node.whereis(f"client/{k}")
         assert pid is not None
+        faults = sum(e["event"] == "fault" for e in read_events(run_dir))
         node.send(pid, TrainRequest(round=0, task=TRAIN, weights=np.zeros(3, np.float32), epochs=1,
                                     batch_size=10, lr=0.1, seed=0))
+        deadline = time.monotonic() + 60  # stay connected until the crash is seen
+        while sum(e["event"] == "fault" for e in read_events(run_dir)) == faults:
+            assert time.monotonic() < deadline, f"client {k} did not crash"
+            time.sleep(0.2)
     finally:
         node.close("done")
 
@@ -233,7 +238,7 @@ def test_a_crashed_client_is_restarted_by_its_supervisor_up_to_the_limit(tmp_pat
     wait_for_round(run_dir, restart["round"] + 1, proc)  # a full round after the restart
     crash_client(run_dir, 3)  # the second crash is over the limit of one restart
     after = max(e["round"] for e in read_events(run_dir) if e["event"] == "round")
-    wait_for_round(run_dir, after + 2, proc)
+    wait_for_round(run_dir, after + 2, proc)  # after + 1 may have begun before the crash
     os.kill(node_pid(run_dir, "server"), signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
 
