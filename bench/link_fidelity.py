@@ -40,11 +40,22 @@ being every frame of the message (header, body, array), computed by encoding it 
 With latency 0 and unlimited bandwidth the model says 0 s (the broker then skips the
 model altogether): that row measures the pure relay and pickup cost, the floor.
 
-``--diagnose`` splits every error into the hand-overs on the way (sender process ->
-its node's I/O thread -> broker loop -> broker sends -> receiving node's I/O thread ->
-receiving process), with stamping sockets and an instrumented copy of the broker
-(fedemu's Broker with three hooks, in its own process); the stages add up
-to the error. ``--transport ipc`` puts the broker on a Unix socket instead of TCP.
+How fedemu delivers on time: the sender stamps its send time (in the broker's clock)
+in the header; the broker starts the model's clock there, decides the verdict and
+forwards the message at once with the time it is due; the receiving node's I/O
+thread holds it until then. So the relay (two loopback hops) overlaps the modelled
+delay instead of adding to it, and is only visible where it takes longer.
+
+``--diagnose`` stamps every message at each hand-over (sender process -> its node's
+I/O thread -> broker loop -> broker sends -> receiving node's I/O thread -> receiving
+process), with stamping sockets and an instrumented copy of the broker (fedemu's
+Broker with three hooks, in its own process), and splits each error into three
+parts that add up to it: ``clock`` (where the model's clock started, minus the
+sender's stamp: the clock-offset estimate), ``late`` (how far past its due time
+the message reached the receiving node: relay time the model's delay did not
+cover) and ``release`` (from due, or arrival if later, to the receiving process:
+the hold timer and the thread hand-over). The relay's hops are shown too.
+``--transport ipc`` puts the broker on a Unix socket instead of TCP.
 
     /work/venv/bin/python bench/link_fidelity.py [--quick] [--load] [--diagnose] [--json out.json]
 """
@@ -116,12 +127,14 @@ def bandwidth_text(rate: float) -> str:
 # Each benchmark message is stamped at every hand-over, keyed by its seq:
 #   t_send (sender process) -> ship (sender's I/O thread hands it to zmq) -> broker in
 #   (the broker's loop picked it up) -> broker out (handed to zmq towards the receiver)
-#   -> receiver I/O (the receiving node's I/O thread got it) -> t_recv (the process).
-# The sockets are subclasses that only add the stamp; the broker is fedemu's Broker
-# with _on_message, _send and network.transmit wrapped, in its own process like
-# `fedemu broker`.
+#   -> receiver I/O (the receiving node's I/O thread got it) -> t_recv (the process),
+# and the broker notes when the model says it is due. The sockets are subclasses that
+# only add the stamp; the broker is fedemu's Broker with _on_message, _send and
+# network.transmit wrapped, in its own process like `fedemu broker`.
 
-STAGES = ("sender", "to_broker", "broker", "to_receiver", "pickup")
+HOPS = ("sender", "to_broker", "broker", "to_receiver")  # the relay; overlaps the model's delay
+PARTS = ("clock", "late", "release")  # add up to the error
+STAGES = HOPS + PARTS
 
 
 def seq_of(body: bytes) -> int | None:
@@ -176,15 +189,16 @@ def run_instrumented_broker(bind: str, endpoint_file: Path, network_file: Path, 
     class InstrumentedBroker(Broker):
         current: int | None = None
 
-        def _on_message(self, frames):
+        def _on_message(self, identity, frames):
             now = time.monotonic()
-            self.current = seq_of(frames[2].bytes) if len(frames) > 2 else None
+            self.current = seq_of(frames[1].bytes) if len(frames) > 2 else None
             if self.current is not None:
                 came_in[self.current] = now
-            super()._on_message(frames)
+            super()._on_message(identity, frames)
 
         def _send(self, identity, msg, node):
-            seq = seq_of(msg[1].bytes) if len(msg) > 1 else None
+            body = msg[1] if len(msg) > 2 else None
+            seq = seq_of(body.bytes if isinstance(body, zmq.Frame) else bytes(body)) if body is not None else None
             if seq is not None:
                 went_out[seq] = time.monotonic()
             super()._send(identity, msg, node)
@@ -324,7 +338,7 @@ class Setting:
                 raise RuntimeError(f"broker did not start; see {self.workdir}")
             time.sleep(0.02)
         endpoint = endpoint_file.read_text().strip()
-        self.arrivals: queue.Queue[Arrival] = queue.Queue()
+        self.arrivals: queue.Queue = queue.Queue()  # (t_recv, message)
         self.receiver_io: dict[int, float] | None = {} if diagnose else None
         self.receiver_node = instrumented_node("bench-rx", endpoint, self.receiver_io)
         self._receiving = True
@@ -350,10 +364,8 @@ class Setting:
             if msg is TIMEOUT:
                 continue
             t_recv = time.monotonic()  # first thing: what follows must not count
-            body = msg.body
-            # Exactly the bytes the broker counted: the sender's frames, re-encoded.
-            wire_bytes = message_size(encode(USER, msg.sender, RX_NAME, body))
-            self.arrivals.put(Arrival(body["seq"], body["link"], body["t_send"], t_recv, wire_bytes))
+            # Nothing else here: in a burst, work done now would delay the next stamp.
+            self.arrivals.put((t_recv, msg))
 
     def model_s(self, wire_bytes: int) -> float:
         return (wire_bytes + OVERHEAD_BYTES) / self.bandwidth + self.latency_ms / 1000
@@ -364,17 +376,20 @@ class Setting:
         self._seq += len(links)
         self.sender.stdin.write(json.dumps({"links": links, "floats": floats, "seq0": seq0}) + "\n")
         self.sender.stdin.flush()
-        got: list[Arrival] = []
+        got: list = []
         deadline = time.monotonic() + timeout_s
         while len(got) < len(links):
             try:
-                arrival = self.arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
+                t_recv, msg = self.arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise RuntimeError(f"{len(links) - len(got)} of {len(links)} messages did not arrive "
                                    f"within {timeout_s:.0f}s; see {self.workdir}") from None
-            if arrival.seq >= seq0:  # anything older belongs to an earlier, failed step
-                got.append(arrival)
-        return got
+            if msg.body["seq"] >= seq0:  # anything older belongs to an earlier, failed step
+                got.append((t_recv, msg))
+        # Exactly the bytes the broker counted: the sender's frames, re-encoded (after
+        # the whole step arrived, so it never delays a receive).
+        return [Arrival(msg.body["seq"], msg.body["link"], msg.body["t_send"], t_recv,
+                        message_size(encode(USER, msg.sender, RX_NAME, msg.body))) for t_recv, msg in got]
 
     def close(self) -> None:
         self._receiving = False
@@ -403,7 +418,7 @@ class Setting:
             return {int(k): v for k, v in stamps.items()}
 
         return {"ship": by_seq(sender), "in": by_seq(broker["in"]), "out": by_seq(broker["out"]),
-                "receiver_io": dict(self.receiver_io)}
+                "due": by_seq(broker["due"]), "receiver_io": dict(self.receiver_io)}
 
 
 # --- one grid point -------------------------------------------------------------------------
@@ -425,21 +440,24 @@ class Point:
     target_ms: float
     ok: bool
     errors_ms: list[float] = field(repr=False)
-    # --diagnose: median and p99 ms of each stage (they add up to the error per message)
+    # --diagnose: median and p99 ms of each hop and each part of the error (the parts
+    # add up to the error per message)
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
     arrivals: list[Arrival] = field(default_factory=list, repr=False)  # kept for the stages
 
     def add_stages(self, stamps: dict[str, dict[int, float]], model_s) -> None:
-        """Split each message's error into the time each hand-over took; the broker's
-        share is its holding time minus the model's delay (its lateness)."""
+        """The time each hand-over took, and each message's error split into where the
+        model's clock started (clock), how late it reached the receiving node (late)
+        and how long from then, or from due, to the receiving process (release)."""
         per_stage: dict[str, list[float]] = {stage: [] for stage in STAGES}
         for a in self.arrivals:
-            ship, came_in, went_out, rx_io = (stamps[k].get(a.seq) for k in ("ship", "in", "out", "receiver_io"))
-            if None in (ship, came_in, went_out, rx_io):
+            ship, came_in, went_out, due, rx_io = (
+                stamps[k].get(a.seq) for k in ("ship", "in", "out", "due", "receiver_io"))
+            if None in (ship, came_in, went_out, due, rx_io):
                 continue
-            parts = (ship - a.t_send, came_in - ship, went_out - came_in - model_s(a.wire_bytes),
-                     rx_io - went_out, a.t_recv - rx_io)
-            for stage, seconds in zip(STAGES, parts):
+            hops = (ship - a.t_send, came_in - ship, went_out - came_in, rx_io - went_out)
+            parts = (due - a.t_send - model_s(a.wire_bytes), max(0.0, rx_io - due), a.t_recv - max(due, rx_io))
+            for stage, seconds in zip(STAGES, hops + parts):
                 per_stage[stage].append(seconds * 1000)
         self.stages = {stage: {"median": round(float(np.median(v)), 3), "p99": round(float(np.percentile(v, 99)), 3)}
                        for stage, v in per_stage.items() if v}
@@ -558,7 +576,7 @@ def table(points: list[Point]) -> str:
 
 
 def stage_table(points: list[Point]) -> str:
-    """Where the error goes: median / p99 ms of each hand-over, per grid point."""
+    """Where the error goes: median / p99 ms of each hop and of each part of the error."""
     head = ("latency", "bandwidth", "size", "conc", "error", *STAGES)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for p in points:
@@ -634,10 +652,12 @@ def main() -> None:
             print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}")
             print(table(points))
             if args.diagnose:
-                print(f"\n{condition}: where the error goes, median / p99 ms per stage "
-                      f"(sender: t_send to its I/O thread's zmq send; to_broker: to the broker's "
-                      f"loop; broker: holding time minus the model's delay; to_receiver: to the "
-                      f"receiving node's I/O thread; pickup: to the receiving process)")
+                print(f"\n{condition}: where the error goes, median / p99 ms (the relay's hops, which "
+                      f"overlap the model's delay -- sender: t_send to its I/O thread's zmq send; "
+                      f"to_broker: to the broker's loop; broker: in the broker; to_receiver: to the "
+                      f"receiving node's I/O thread -- and the error's parts, which add up to it -- "
+                      f"clock: where the model's clock started minus t_send; late: arrival at the "
+                      f"receiving node past due; release: from due or arrival to the receiving process)")
                 print(stage_table(points))
     report["load_average_at_end"] = load_average()
     report["wall_s"] = round(time.monotonic() - started, 1)

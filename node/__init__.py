@@ -12,9 +12,10 @@ from .runtime import (
     Process,
     ThreadProcess,
 )
+from .security import KeyFileError, RunKeys
 from .wire import Pid, WireError, message
 
 __all__ = [
-    "BROKER_NODE", "Behaviour", "BehaviourProcess", "Broker", "Down", "Message", "Node",
-    "NodeError", "Pid", "Process", "TIMEOUT", "ThreadProcess", "WireError", "message",
+    "BROKER_NODE", "Behaviour", "BehaviourProcess", "Broker", "Down", "KeyFileError", "Message", "Node",
+    "NodeError", "Pid", "Process", "RunKeys", "TIMEOUT", "ThreadProcess", "WireError", "message",
 ]

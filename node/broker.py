@@ -10,28 +10,55 @@ frame, so its cost per message does not grow with the payload. It keeps
   a message from a link owner travels *up* its link, one to a link owner travels *down*;
 * counters per link and direction, and of every dropped message by reason.
 
+Link emulation: for a message that crosses a client's link the broker decides at once
+whether it is lost and when the model says it arrives, starting the model's clock at
+the sender's send time (stamped in the header, in the broker's clock). It forwards
+the message immediately with a :class:`~fedemu.node.wire.Hold` in the header; the
+receiving node keeps it until it is due. So the time the bytes take to cross loopback
+or the LAN overlaps the emulated delay instead of adding to it, and a busy broker
+loop no longer delivers late. A client that goes offline while messages to or from
+it are held gets an ``offline`` notice to every node; they drop what is held for it
+and report back, so the loss is counted here like any other.
+
+With :class:`~fedemu.node.security.RunKeys`, the ROUTER is a CURVE server that admits
+only the run's nodes; every refused connection is logged and counted (``refused``).
+
 A malformed frame, an unknown destination or an oversize message is logged with the
 reason and dropped; the broker keeps serving everyone else.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
+import os
+import socket as pysocket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
-from .wire import CTL, USER, Pid, WireError
+from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler
+from .wire import CTL, USER, VERSION, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
 
 BROKER_NODE = "$broker"
 BROKER_PID = Pid(BROKER_NODE, 0)
+
+# Plain ints: OR-ing or passing zmq's Flag enums costs microseconds per frame.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
+_unpackb = msgpack.unpackb
+
+# How far back a sender's send stamp may start a message's emulated clock. A stamp is
+# normally a fraction of a millisecond old; a much older one means a starved sender
+# or a bad clock estimate, and must not let a message skip most of its delay.
+MAX_SEND_AGE_S = 1.0
 
 
 @dataclass
@@ -51,6 +78,7 @@ class LinkCounters:
 
 @dataclass
 class _NodeInfo:
+    name: str
     identity: bytes
     last_seen: float
 
@@ -61,6 +89,7 @@ class BrokerStats:
     other_bytes: int = 0
     other_msgs: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    refused: int = 0  # connections refused by authentication
 
     def as_dict(self) -> dict[str, Any]:
         links = self.links.values()
@@ -76,6 +105,7 @@ class BrokerStats:
             "bytes_other": self.other_bytes,
             "msgs_other": self.other_msgs,
             "dropped": dict(self.dropped),
+            "refused": self.refused,
         }
 
 
@@ -88,10 +118,12 @@ class Broker:
         heartbeat_timeout: float = 5.0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         network: NetworkSpec | None = None,
+        keys: RunKeys | None = None,
     ) -> None:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.max_message_bytes = max_message_bytes
+        self.stats = BrokerStats()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         # Fail loudly on an unroutable identity instead of zmq's silent drop.
@@ -99,20 +131,37 @@ class Broker:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # pyzmq's Python-level send() wraps the C one for DRAFT-socket arguments this
+        # broker never uses, at about a microsecond per frame: call the C one.
+        self._send_frame = zmq.backend.Socket.send.__get__(self._sock)
+        self._zap: ZapHandler | None = None
+        self._monitor: zmq.Socket | None = None
+        if keys is not None:
+            keys.make_server(self._sock)
+            self._zap = ZapHandler(self._ctx, keys.client_public, self._refused)
+            # Handshake failures without a ZAP request (no CURVE at all, a bad server
+            # key, garbage) are seen only through the socket's monitor.
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._peers: dict[int, str] = {}  # fd -> peer address, from ACCEPTED
+            self._failed_handshake: str | None = None
+            self._refused_from: dict[str, int] = {}
         self.endpoint = self._bind(bind)
         self._nodes: dict[str, _NodeInfo] = {}
+        self._by_identity: dict[bytes, _NodeInfo] = {}
         self._names: dict[str, Pid] = {}
         self._link_of: dict[tuple[str, int], int] = {}
-        self.stats = BrokerStats()
         self._running = False
         self.spec = network
         self.network = network.build() if network is not None else Network()
         self.time_scale = network.time_scale if network is not None else 1.0
         self._emulating = not self.network.ideal
         self._t0 = time.monotonic()
-        # Messages the network holds back: (wall delivery time, seq, link, direction, identity, frames)
-        self._pending: list = []
-        self._seq = itertools.count()
+        self._now = self._t0  # set once per burst in _drain
+        # Per link, when the last message forwarded across it is due (broker clock):
+        # while that is ahead, receiving nodes may hold messages of that link.
+        self._flight_until: dict[int, float] = {}
 
     def emulated_now(self) -> float:
         """Emulated seconds since the broker started (wall seconds x time_scale)."""
@@ -133,21 +182,31 @@ class Broker:
         self._running = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        for extra in (self._zap.sock if self._zap else None, self._monitor):
+            if extra is not None:
+                poller.register(extra, zmq.POLLIN)
         next_check = time.monotonic() + self.heartbeat_interval
-        log.info("broker listening on %s", self.endpoint)
+        log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._zap else "")
         try:
             while self._running:
-                wake = min(next_check, self._pending[0][0]) if self._pending else next_check
-                if poller.poll(max(0.0, wake - time.monotonic()) * 1000):
-                    self._drain()
+                for sock, _ in poller.poll(max(0.0, next_check - time.monotonic()) * 1000):
+                    if sock is self._sock:
+                        self._drain()
+                    elif sock is self._monitor:
+                        self._monitor_events()
+                    else:
+                        self._zap.handle()
                 now = time.monotonic()
-                if self._pending and self._pending[0][0] <= now:
-                    self._deliver_due(now)
                 if now >= next_check:
                     self._check_nodes(now)
                     self._scripted_events(round_=None)
                     next_check = now + self.heartbeat_interval
         finally:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             self._sock.close(linger=0)
             self._ctx.term()
             log.info("broker stopped; %s", self.stats.as_dict())
@@ -156,74 +215,160 @@ class Broker:
         self._running = False
 
     def _drain(self) -> None:
-        # Read everything queued before polling again: one poll per burst.
+        # Read everything queued before polling again: one poll per burst. Frame by
+        # frame with int flags: recv_multipart's per-frame flag handling costs more
+        # than the rest of the relay.
+        recv = self._sock.recv
+        on_message = self._on_message
+        self._now = time.monotonic()  # "last seen" for every message of this burst
         for _ in range(10_000):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                identity = recv(_NOBLOCK)  # small bytes; a ROUTER always puts it first
             except zmq.Again:
                 return
+            frames = []
+            frame = None
+            more = True
+            while more:  # a multipart message arrives whole: the rest is here
+                frame = recv(0, copy=False)
+                frames.append(frame)
+                more = frame.more
             try:
-                self._on_message(frames)
+                on_message(identity, frames)
             except WireError as exc:
-                self._drop("malformed", f"from {bytes(frames[0].bytes)!r}: {exc}")
+                self._drop("malformed", f"from {identity!r}: {exc}")
+            except Exception as exc:  # a bug; still, no input may stop the broker
+                log.exception("error handling a message from %r", identity)
+                self._drop("malformed", f"from {identity!r}: {type(exc).__name__}: {exc}")
 
-    def _on_message(self, frames: list) -> None:
-        identity = frames[0].bytes
-        msg = frames[1:]
-        if len(msg) < 2:
-            raise WireError(f"{len(msg)} frame(s); a message needs a header and a body")
-        size = sum(len(f) for f in msg)
+    def _on_message(self, identity: bytes, frames: list) -> None:
+        """One message from ``identity``: ``frames`` = [header, body, arrays...]."""
+        info = self._by_identity.get(identity)
+        if info is not None and len(frames) >= 2:
+            # The fast path: a well-formed user message from a known node that needs no
+            # emulation (nearly all traffic), with the checks of wire.unpack_header
+            # inline. (Frame.bytes, cached by the frame, unpacks twice as fast as a
+            # fresh Frame.buffer memoryview.)
+            size = 0
+            for f in frames:
+                size += len(f)
+            header = frames[0]
+            if size <= self.max_message_bytes and len(header) <= wire.MAX_HEADER_BYTES:
+                try:
+                    fields = _unpackb(header.bytes)
+                except Exception:  # the slow path below names the fault
+                    fields = None
+                if type(fields) is list and 6 <= len(fields) <= 7:
+                    version, kind, src_node, src_id, dst_node, dst = fields[:6]
+                    sent = fields[6] if len(fields) == 7 else None
+                    if (kind == USER and version == VERSION and src_node == info.name and type(src_id) is int
+                            and type(dst_node) is str and (type(dst) is int or type(dst) is str)
+                            and (sent is None or type(sent) is float)):
+                        info.last_seen = self._now
+                        if dst_node:
+                            target = self._nodes.get(dst_node)
+                            dst_pid = (dst_node, dst)  # a Pid is a tuple: same hash, same key
+                        else:
+                            dst_pid = self._names.get(dst)
+                            target = self._nodes.get(dst_pid[0]) if dst_pid is not None else None
+                        if target is not None and not (self._emulating and self._link_of):
+                            if self._link_of:
+                                self._account((src_node, src_id), dst_pid, size)
+                            else:
+                                self.stats.other_bytes += size
+                                self.stats.other_msgs += 1
+                            self._send(target.identity, frames, target.name)
+                        else:
+                            self._route_user(fields, frames, size, Pid(src_node, src_id))
+                        return
+        self._on_other(identity, info, frames)
+
+    def _on_other(self, identity: bytes, info: _NodeInfo | None, frames: list) -> None:
+        """Everything but the fast path: control traffic, emulated links, and faults."""
+        if len(frames) < 2:
+            raise WireError(f"{len(frames)} frame(s); a message needs a header and a body")
+        size = sum(len(f) for f in frames)
         if size > self.max_message_bytes:
             self._drop("oversize", f"{size} bytes from {identity!r} exceed {self.max_message_bytes}")
             return
-        header = wire.unpack_header(msg[0].buffer)
+        header = wire.unpack_header(frames[0].buffer)  # the full checks, naming the fault
         if header.src.node.encode() != identity:
             self._drop("spoofed", f"header names node {header.src.node!r} but socket is {identity!r}")
             return
-        node = self._nodes.get(header.src.node)
-        now = time.monotonic()
-        if node is None:
+        if info is None:
             if header.kind == CTL and header.dst_node == BROKER_NODE:
-                self._control(identity, header, msg, known=False)
+                self._control(identity, header, frames, known=False)
             else:
                 self._drop("unknown-node", f"message from {header.src.node!r} before hello")
                 self._send_ctl(identity, header.src, {"op": "unknown_node"})
             return
-        node.last_seen = now
-        if header.kind == CTL and header.dst_node == BROKER_NODE:
-            self._control(identity, header, msg, known=True)
+        info.last_seen = time.monotonic()
+        if header.kind == CTL:
+            if header.dst_node == BROKER_NODE:
+                self._control(identity, header, frames, known=True)
+            else:
+                self._route_ctl(header, frames)
             return
-        self._route(header, msg, size)
+        # A user message whose timing field is not a send time: route it, unstamped.
+        self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
+                         frames, size, header.src)
 
-    def _route(self, header: wire.Header, msg: list, size: int) -> None:
-        if header.dst_node:
-            dst = Pid(header.dst_node, header.dst)
+    def _route_user(self, fields: list, frames: list, size: int, src: Pid) -> None:
+        dst_node, dst = fields[4], fields[5]
+        if dst_node:
+            dst_pid = Pid(dst_node, dst)
         else:
-            dst = self._names.get(header.dst)
-            if dst is None:
-                self._drop("unknown-destination", f"no process registered as {header.dst!r}")
+            dst_pid = self._names.get(dst)
+            if dst_pid is None:
+                self._drop("unknown-destination", f"no process registered as {dst!r}")
                 return
-        target = self._nodes.get(dst.node)
+        target = self._nodes.get(dst_pid.node)
         if target is None:
-            self._drop("unknown-destination", f"node {dst.node!r} is not connected")
-            if header.kind == CTL:
-                # A monitor or down for a lost node must still resolve: tell the sender.
-                sender = self._nodes.get(header.src.node)
-                if sender is not None:
-                    self._send_ctl(sender.identity, header.src, {"op": "node_down", "node": dst.node})
+            self._drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
             return
-        if header.kind == USER:
-            crossing = self._account(header.src, dst, size)
-            if crossing is not None and self._emulating:
-                self._emulate(crossing, size, target.identity, msg)
-                return
-        self._send(target.identity, msg, dst.node)
+        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
+        if crossing is not None and self._emulating:
+            self._emulate(crossing, size, target, fields, frames)
+            return
+        self._send(target.identity, frames, target.name)
+
+    def _route_ctl(self, header: wire.Header, msg: list) -> None:
+        """Runtime control between nodes (monitor, demonitor, down): relayed as is."""
+        if header.dst_node:
+            dst_node = header.dst_node
+        else:
+            pid = self._names.get(header.dst)
+            dst_node = pid.node if pid is not None else None
+        target = self._nodes.get(dst_node) if dst_node is not None else None
+        if target is None:
+            self._drop("unknown-destination", f"node {dst_node or header.dst!r} is not connected")
+            # A monitor or down for a lost node must still resolve: tell the sender.
+            sender = self._nodes.get(header.src.node)
+            if sender is not None and dst_node is not None:
+                self._send_ctl(sender.identity, header.src, {"op": "node_down", "node": dst_node})
+            return
+        self._send(target.identity, msg, target.name)
 
     def _send(self, identity: bytes, msg: list, node: str) -> None:
+        """Send ``msg`` (header, body, arrays...) to the node with ``identity``."""
+        send = self._send_frame
         try:
-            self._sock.send_multipart([identity, *msg], copy=False)
+            send(identity, _SNDMORE)
+            if len(msg) == 2:  # most messages: header and body
+                send(msg[0], _SNDMORE)
+                send(msg[1])
+                return
+            last = len(msg) - 1
+            for i in range(last):
+                send(msg[i], _SNDMORE)  # received frames go zero-copy; small bytes are copied
+            send(msg[last])
         except zmq.ZMQError as exc:  # the peer vanished between heartbeats
             self._drop("unreachable", f"node {node!r}: {exc}")
+
+    def _other(self, size: int) -> None:
+        self.stats.other_bytes += size
+        self.stats.other_msgs += 1
+        return None
 
     def _account(self, src: Pid, dst: Pid, size: int) -> tuple[int, int] | None:
         """Count a message on the client link it crosses; returns (link, direction).
@@ -244,13 +389,16 @@ class Broker:
             return src_link, UP
         if dst_link is not None:
             return dst_link, DOWN
-        self.stats.other_bytes += size
-        self.stats.other_msgs += 1
-        return None
+        return self._other(size)
 
-    def _emulate(self, crossing: tuple[int, int], size: int, identity: bytes, msg: list) -> None:
+    def _emulate(self, crossing: tuple[int, int], size: int, target: _NodeInfo, fields: list, frames: list) -> None:
         link, direction = crossing
-        verdict = self.network.transmit(link, direction, size, self.emulated_now())
+        now = time.monotonic()
+        # The model's clock starts when the sender sent (its stamp, in this clock),
+        # so the bytes' trip here is part of the emulated delay, not added to it.
+        sent = fields[6] if len(fields) == 7 else None
+        entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
+        verdict = self.network.transmit(link, direction, size, (entry - self._t0) * self.time_scale)
         if verdict.dropped is not None:
             self._lost(link, direction, verdict.dropped)
             return
@@ -259,17 +407,43 @@ class Broker:
             c.up_transfer_s += verdict.transfer_s
         else:
             c.down_transfer_s += verdict.transfer_s
+        # Offline when it would arrive (a scheduled drop-out): lost in flight. Offline
+        # changes made later (set_links, a new round) reach held messages by notice.
+        if self.network.is_offline(link, verdict.arrival):
+            self._lost(link, direction, "offline")
+            return
         due = self._t0 + verdict.arrival / self.time_scale
-        heapq.heappush(self._pending, (due, next(self._seq), link, direction, identity, msg))
+        if due > self._flight_until.get(link, 0.0):
+            self._flight_until[link] = due
+        header = msgpack.packb([*fields[:6], [due - now, now, link, direction]])
+        self._send(target.identity, [header, *frames[1:]], target.name)
 
-    def _deliver_due(self, now: float) -> None:
+    def _notify_offline(self) -> None:
+        """After a change that can take clients offline: every node drops what it holds
+        for the clients now offline (in flight when they went), and reports back."""
+        now = time.monotonic()
+        for link in [k for k, until in self._flight_until.items() if until <= now]:
+            del self._flight_until[link]  # nothing of it is held anywhere any more
         emulated = (now - self._t0) * self.time_scale
-        while self._pending and self._pending[0][0] <= now:
-            _, _, link, direction, identity, msg = heapq.heappop(self._pending)
-            if self.network.is_offline(link, emulated):  # went offline while in flight
+        links = [k for k in self._flight_until if self.network.is_offline(k, emulated)]
+        if not links:
+            return
+        for link in links:
+            del self._flight_until[link]
+        for info in self._nodes.values():
+            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "offline", "links": links, "at": now})
+
+    def _held_dropped(self, counts: Any) -> None:
+        """A node's report of held messages it dropped on an ``offline`` notice."""
+        if not isinstance(counts, list):
+            raise WireError("held_dropped needs a list of [link, direction, count]")
+        for entry in counts:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)
+                    and entry[1] in (UP, DOWN) and 0 < entry[2] <= 1_000_000):
+                raise WireError(f"bad held_dropped entry {entry!r}")
+            link, direction, count = entry
+            for _ in range(count):
                 self._lost(link, direction, "offline")
-                continue
-            self._send(identity, msg, identity.decode(errors="replace"))
 
     def _lost(self, link: int, direction: int, reason: str) -> None:
         c = self._counters(link)
@@ -286,6 +460,42 @@ class Broker:
             c = self.stats.links[link] = LinkCounters()
         return c
 
+    # --- authentication -----------------------------------------------------------
+
+    def _refused(self, address: str, reason: str) -> None:
+        self.stats.refused += 1
+        address = address or "unknown address"
+        seen = self._refused_from[address] = self._refused_from.get(address, 0) + 1
+        # Every refusal is counted; a peer that keeps retrying is logged at first,
+        # then every 100th time, so it cannot flood the log.
+        if seen <= 10 or seen % 100 == 0:
+            log.warning("refused connection from %s (#%d from there): %s", address, seen, reason)
+
+    def _monitor_events(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._peers[value] = _peer_address(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._failed_handshake = None  # the ZAP handler refused it, and counted it
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._failed_handshake = f"no valid CURVE handshake: {PROTOCOL_ERRORS.get(value, f'error {value}')}"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._failed_handshake is None:
+                # Often the peer hanging up on us after it saw the mismatch itself.
+                detail = zmq.strerror(value) if value else "no detail"
+                self._failed_handshake = f"no valid CURVE handshake ({detail}; a node without the run's keys?)"
+            elif kind == zmq.EVENT_DISCONNECTED:
+                # libzmq reports a failed handshake, then the disconnect of its socket.
+                address = self._peers.pop(value, "")
+                if self._failed_handshake is not None:
+                    self._refused(address, self._failed_handshake)
+                    self._failed_handshake = None
+
+
     # --- control traffic addressed to the broker ----------------------------------
 
     def _control(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
@@ -297,12 +507,15 @@ class Broker:
         if op == "hello":
             if known:
                 log.warning("node %s said hello again; keeping its registrations", src.node)
-            self._nodes[src.node] = _NodeInfo(identity, time.monotonic())
+            info = self._nodes[src.node] = _NodeInfo(src.node, identity, time.monotonic())
+            self._by_identity[identity] = info
             log.info("node %s joined", src.node)
             self._send_ctl(identity, src, {
                 "op": "welcome",
                 "heartbeat_interval": self.heartbeat_interval,
                 "heartbeat_timeout": self.heartbeat_timeout,
+                # Echo and this clock: the node's first estimate of its clock offset.
+                "t": body.get("t"), "now": time.monotonic(),
             })
             return
         if not known:
@@ -310,16 +523,22 @@ class Broker:
             self._send_ctl(identity, src, {"op": "unknown_node"})
             return
         if op == "hb":
-            self._send_ctl(identity, src, {"op": "hb"})
+            # The node times the round trip: its send time echoed, and this clock.
+            self._send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})
         elif op == "register":
             self._register(identity, src, body.get("entries"))
         elif op == "unregister":
-            for name in body.get("names") or []:
+            names = body.get("names")
+            if not isinstance(names, list):
+                raise WireError("unregister needs a list of names")
+            for name in names:
                 if isinstance(name, str) and self._names.get(name, (None,))[0] == src.node:
                     pid = self._names.pop(name)
                     self._link_of.pop(pid, None)
         elif op == "whereis":
             name = body.get("name")
+            if not isinstance(name, str):
+                raise WireError(f"whereis needs a name, not {name!r}")
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": self._names.get(name)})
         elif op == "stats":
             value = self.stats.as_dict()
@@ -332,15 +551,24 @@ class Broker:
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": value})
         elif op == "round":
             # The server's round clock: per-round drop-outs and round-scripted events.
-            self.network.round = int(body["round"])
-            self._scripted_events(round_=self.network.round)
+            round_ = body.get("round")
+            if type(round_) is not int:
+                raise WireError(f"round {round_!r} is not an integer")
+            self.network.round = round_
+            self._scripted_events(round_=round_)
+            if self.network.availability is not None:
+                self._notify_offline()  # the new round's drop-outs
         elif op == "set_links":
             error = self._set_links(body)
+            if error is None and body.get("offline") is True:
+                self._notify_offline()
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
+        elif op == "held_dropped":
+            self._held_dropped(body.get("counts"))
         elif op == "shutdown":
             log.info("shutdown requested by %s", src)
             for info in self._nodes.values():
-                self._send_ctl(info.identity, Pid(info.identity.decode(), 0), {"op": "shutdown"})
+                self._send_ctl(info.identity, Pid(info.name, 0), {"op": "shutdown"})
             self._running = False
         elif op == "bye":
             self._forget(src.node, reason=None)
@@ -411,8 +639,10 @@ class Broker:
                 self._forget(name, reason=f"silent for {now - info.last_seen:.1f}s")
 
     def _forget(self, node: str, reason: str | None) -> None:
-        if self._nodes.pop(node, None) is None:
+        info = self._nodes.pop(node, None)
+        if info is None:
             return
+        self._by_identity.pop(info.identity, None)
         if reason:
             log.warning("node %s lost (%s)", node, reason)
         else:
@@ -423,16 +653,12 @@ class Broker:
         for pid in [p for p in self._link_of if p[0] == node]:
             del self._link_of[pid]
         for info in self._nodes.values():
-            self._send_ctl(info.identity, Pid(info.identity.decode(), 0), {"op": "node_down", "node": node})
+            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "node_down", "node": node})
 
     # --- helpers ----------------------------------------------------------------------
 
     def _send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None:
-        frames = wire.encode(CTL, BROKER_PID, dst, body)
-        try:
-            self._sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError as exc:
-            self._drop("unreachable", f"control to {identity!r}: {exc}")
+        self._send(identity, wire.encode(CTL, BROKER_PID, dst, body), identity.decode(errors="replace"))
 
     def _drop(self, reason: str, detail: str) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
@@ -443,9 +669,24 @@ class Broker:
             log.warning("dropped message (%s, #%d): %s", reason, count, detail)
 
 
-
 def _ids_text(ids) -> str:
     if ids is None:
         return "all"
     ids = sorted(ids)
     return f"{ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else str(ids)
+
+
+def _peer_address(fd: int) -> str:
+    """The peer of a just-accepted connection, or "" when it is already gone (a
+    client that fails the handshake at once is often closed before this runs)."""
+    try:
+        sock = pysocket.socket(fileno=os.dup(fd))  # a duplicate, ours to close; family detected
+    except OSError:
+        return ""
+    try:
+        peer = sock.getpeername()
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+    except OSError:
+        return ""
+    finally:
+        sock.close()

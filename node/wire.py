@@ -4,10 +4,11 @@ A message is a multipart ZeroMQ message::
 
     [header, body, array_0, array_1, ...]
 
-* ``header`` — msgpack array ``[version, kind, src_node, src_id, dst_node, dst]``:
-  the only frame the broker unpacks, so routing cost does not grow with the payload.
-  ``dst`` is a local process id (int) or a registered name (str); ``dst_node`` is
-  ``""`` when the destination is a name the broker must resolve.
+* ``header`` — msgpack array ``[version, kind, src_node, src_id, dst_node, dst]``,
+  optionally followed by a ``timing`` field (see :class:`Header`): the only frame
+  the broker unpacks, so routing cost does not grow with the payload. ``dst`` is a
+  local process id (int) or a registered name (str); ``dst_node`` is ``""`` when the
+  destination is a name the broker must resolve.
 * ``body`` — msgpack of the payload. ndarrays inside it are replaced by a small
   extension record (index, dtype, shape) and travel as the raw frames that follow,
   so a 800 KB model is never copied into a msgpack buffer and never pickled.
@@ -20,6 +21,7 @@ Decoding is defensive: every limit is checked and any violation raises
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import msgpack
@@ -58,11 +60,25 @@ class Pid(NamedTuple):
         return f"<{self.node}.{self.id}>"
 
 
+class Hold(NamedTuple):
+    """What the broker tells a receiving node about an emulated message."""
+
+    hold: float  # seconds the receiver must still hold it, counted from `sent_at`
+    sent_at: float  # broker clock when the broker forwarded it (due = sent_at + hold)
+    link: int  # the client link it crossed, and in which direction: a drop on
+    direction: int  # going offline is per link, and the broker counts it per direction
+
+
 class Header(NamedTuple):
     kind: int
     src: Pid
     dst_node: str  # "" when dst is a name the broker resolves
     dst: int | str
+    # Link-emulation timing, all times in the *broker's* monotonic clock (each node
+    # estimates its offset to it from heartbeats):
+    # * node -> broker: the sender's send time (float), where the model's clock starts;
+    # * broker -> node: a Hold: the receiver keeps the message until it is due.
+    timing: float | Hold | None = None
 
 
 # --- registered message classes -------------------------------------------------
@@ -88,10 +104,11 @@ def message(cls: type) -> type:
 # --- header -----------------------------------------------------------------------
 
 
-def pack_header(kind: int, src: Pid, dst: Pid | str) -> bytes:
-    if isinstance(dst, Pid):
-        return msgpack.packb([VERSION, kind, src.node, src.id, dst.node, dst.id])
-    return msgpack.packb([VERSION, kind, src.node, src.id, "", dst])
+def pack_header(kind: int, src: Pid, dst: Pid | str, timing: float | Hold | None = None) -> bytes:
+    fields = [VERSION, kind, src.node, src.id, *((dst.node, dst.id) if isinstance(dst, Pid) else ("", dst))]
+    if timing is not None:
+        fields.append(list(timing) if isinstance(timing, Hold) else timing)
+    return msgpack.packb(fields)
 
 
 def unpack_header(frame: bytes | memoryview) -> Header:
@@ -101,9 +118,9 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         fields = msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"header is not msgpack: {exc}") from None
-    if not isinstance(fields, list) or len(fields) != 6:
-        raise WireError("header is not a 6-element array")
-    version, kind, src_node, src_id, dst_node, dst = fields
+    if not isinstance(fields, list) or not 6 <= len(fields) <= 7:
+        raise WireError("header is not a 6- or 7-element array")
+    version, kind, src_node, src_id, dst_node, dst = fields[:6]
     if version != VERSION:
         raise WireError(f"wire version {version!r}, expected {VERSION}")
     if kind not in (USER, CTL):
@@ -112,7 +129,21 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         raise WireError("header source is not (str, int)")
     if not isinstance(dst_node, str) or not isinstance(dst, (int, str)) or isinstance(dst, bool):
         raise WireError("header destination is not (str, int|str)")
-    return Header(kind, Pid(src_node, src_id), dst_node, dst)
+    timing = _timing(fields[6]) if len(fields) == 7 else None
+    return Header(kind, Pid(src_node, src_id), dst_node, dst, timing)
+
+
+def _timing(value: Any) -> float | Hold | None:
+    if value is None:
+        return None
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, list) and len(value) == 4:
+        hold, sent_at, link, direction = value
+        if (isinstance(hold, float) and isinstance(sent_at, float) and math.isfinite(hold)
+                and math.isfinite(sent_at) and type(link) is int and type(direction) is int and direction in (0, 1)):
+            return Hold(hold, sent_at, link, direction)
+    raise WireError(f"header timing {value!r} is neither a send time nor [hold, sent_at, link, direction]")
 
 
 # --- body -------------------------------------------------------------------------
@@ -214,9 +245,9 @@ def _array_from_frame(arrays: list, used: list, index: Any, dtype_str: Any, shap
     return array
 
 
-def encode(kind: int, src: Pid, dst: Pid | str, payload: Any) -> list:
+def encode(kind: int, src: Pid, dst: Pid | str, payload: Any, timing: float | Hold | None = None) -> list:
     """All frames of one message, header first."""
-    return [pack_header(kind, src, dst), *pack_body(payload)]
+    return [pack_header(kind, src, dst, timing), *pack_body(payload)]
 
 
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, Any]:

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from fedemu.node import Node
+from fedemu.node.security import RunKeys
 
 
 def echo(proc):
@@ -30,10 +31,12 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--heartbeat-interval", type=float, default=0.1)
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    parser.add_argument("--keys", help="a run key file: connect as one of the run's nodes")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    keys = RunKeys.load(args.keys) if args.keys else None
     node = Node(args.name, args.broker, heartbeat_interval=args.heartbeat_interval,
-                heartbeat_timeout=args.heartbeat_timeout).start()
+                heartbeat_timeout=args.heartbeat_timeout, keys=keys).start()
     node.spawn(echo, name=f"{args.name}/echo")
     print("ready", flush=True)
     node.wait()

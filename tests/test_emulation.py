@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedemu.node import TIMEOUT, Node
+from fedemu.node import TIMEOUT, Down, Node, Pid
 
 from .realprocs import Procs
 from .test_launch import launch, wait_for_round
@@ -160,6 +160,108 @@ def test_set_links_api_changes_a_running_network(procs):
     assert [b for _, b in arrivals] == ["hello"]
     assert arrivals[0][0] - started >= 0.075
     assert stats["dropped"].get("offline") == 1
+
+
+def in_flight_run(procs: Procs, network: dict, go_offline) -> tuple[list, list, dict]:
+    """Client 0 and the server each send one message across client 0's 400 ms link,
+    then ``go_offline(server_node)`` while both are in flight; then one more each way
+    once back online. Returns (bodies the server got, bodies the client got, stats)."""
+    pair = Pair(start_broker(procs, network))
+    client_got: list = []
+
+    def client(proc):
+        proc.send("server", "up-1")
+        while (msg := proc.receive(timeout=3)) is not TIMEOUT:
+            client_got.append(msg.body)
+
+    try:
+        pair.client_node.spawn(client, name="client/0", link=0)
+        deadline = time.monotonic() + 5
+        while pair.server_node.whereis("client/0") is None:
+            assert time.monotonic() < deadline, "client never registered"
+            time.sleep(0.01)
+        pair.server_node.send("client/0", "down-1")
+        time.sleep(0.1)  # both are a quarter of the way across their links
+        go_offline(pair.server_node)
+        time.sleep(0.6)  # past when they were due
+        pair.server_node.set_links("0", offline=False)
+        pair.server_node.announce_round(0)  # (a round without drop-outs, where rounds matter)
+        pair.server_node.send("client/0", "down-2")
+        time.sleep(0.6)
+        stats = pair.server_node.broker_stats()
+    finally:
+        pair.close()
+    return [body for _, body in pair.arrivals], client_got, stats
+
+
+@pytest.mark.parametrize("how", ["set_links", "round"])
+def test_messages_in_flight_when_a_client_goes_offline_are_dropped_and_counted(procs, how):
+    """The broker forwards at once and the receiving node holds a message until due:
+    a client that goes offline meanwhile must still lose what is in flight, both ways,
+    by the API or by a new round's drop-out."""
+    slow = {"latency_ms": 400}
+    if how == "set_links":
+        network = {"default_profile": "slow", "profiles": {"slow": slow}}
+        go_offline = lambda node: node.set_links("0", offline=True)  # noqa: E731
+    else:  # client 0 drops out of every round after round 0
+        network = {"default_profile": "slow", "profiles": {"slow": slow},
+                   "dropout": {"per_round": 1.0, "clients": "0"}}
+        go_offline = lambda node: node.announce_round(1)  # noqa: E731
+    server_got, client_got, stats = in_flight_run(procs, network, go_offline)
+    assert server_got == []  # "up-1" never arrived
+    assert client_got == ["down-2"]  # "down-1" never arrived; after coming back, traffic flows
+    assert stats["dropped"].get("offline") == 2
+    assert (stats["lost_up"], stats["lost_down"]) == (1, 1)
+    assert (stats["msgs_up"], stats["msgs_down"]) == (1, 2)
+
+
+def test_fifo_holds_when_the_link_stops_being_emulated_mid_flight(procs):
+    """Messages sent after the network became ideal are not held, yet must not overtake
+    the ones still held on the same pair."""
+    pair = Pair(start_broker(procs, {"default_profile": "p", "profiles": {"p": {"latency_ms": 300}}}))
+
+    def client(proc):
+        for i in range(10):
+            proc.send("server", i)
+        pair.server_node.set_links("0-3", profile="ideal")  # the whole network is ideal now
+        for i in range(10, 20):
+            proc.send("server", i)
+
+    try:
+        pair.client_node.spawn(client, name="client/0", link=0)
+        got = [body for _, body in pair.wait(20, 5)]
+    finally:
+        pair.close()
+    assert got == list(range(20))
+
+
+def test_down_does_not_overtake_the_last_messages_of_a_process(procs):
+    """A process sends across a 300 ms link and ends: its watcher gets the messages
+    first, then the Down (as Erlang orders a process's messages and its exit)."""
+    pair = Pair(start_broker(procs, {"default_profile": "p", "profiles": {"p": {"latency_ms": 300}}}))
+    seen: list = []
+
+    def watcher(proc):
+        client = proc.receive(Pid, timeout=5).body
+        proc.monitor(client)
+        proc.send(client, "go")
+        while (msg := proc.receive(timeout=2)) is not TIMEOUT:
+            seen.append("down" if isinstance(msg.body, Down) else msg.body)
+
+    def client(proc):
+        proc.receive(timeout=5)
+        proc.send(w, "last words")
+
+    try:
+        w = pair.server_node.spawn(watcher)
+        c = pair.client_node.spawn(client, name="client/0", link=0)
+        pair.server_node.send(w, c)
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        pair.close()
+    assert seen == ["last words", "down"]
 
 
 @pytest.mark.mnist

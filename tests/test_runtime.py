@@ -2,6 +2,7 @@
 and a node inside the test process observing them."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from fedemu.node import TIMEOUT, Down, Node, NodeError, Pid, wire
+from fedemu.node import TIMEOUT, Behaviour, Down, Node, NodeError, Pid, wire
 
 from .realprocs import Procs
 
@@ -250,6 +251,44 @@ def test_heartbeats_flow_while_a_process_hogs_the_cpu(procs, broker, node):
 
     assert run_in_process(node, watch) is TIMEOUT
     assert not node.closed.is_set()
+
+
+def test_messages_sent_just_before_close_still_go_out(broker, node):
+    """close() right after send() (a short-lived tool node) must not lose the send."""
+    got: list = []
+    receiver = node.spawn(lambda proc: got.extend(
+        msg.body for msg in iter(lambda: proc.receive(timeout=3), TIMEOUT)))
+    for i in range(20):
+        sender = Node(f"brief-{i}", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+        sender.send(receiver, i)
+        sender.close("done")
+    deadline = time.monotonic() + 5
+    while len(got) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(got) == list(range(20))
+
+
+def test_pool_nice_lowers_the_priority_of_behaviours_only(broker):
+    """Clients train in behaviour processes: with pool_nice they yield the CPU to the
+    node's I/O thread, which sends, receives and releases held messages."""
+    n = Node("niced", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT, pool_nice=5).start()
+    seen: list = []
+    done = threading.Event()
+
+    class Report(Behaviour):
+        def handle(self, proc, msg):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            done.set()
+
+    try:
+        n.send(n.spawn_behaviour(Report()), "which priority?")
+        assert done.wait(5)
+        io_nice = os.getpriority(os.PRIO_PROCESS, n._io_thread.native_id)
+    finally:
+        n.close()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert io_nice == base
+    assert seen == [min(base + 5, 19)]
 
 
 # --- bad input ---------------------------------------------------------------------------

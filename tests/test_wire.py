@@ -39,6 +39,18 @@ def test_arrays_are_not_copied_on_either_side():
     assert not got.flags.writeable  # a view of the frame: copy before changing it
 
 
+def test_timing_travels_in_the_header():
+    # A sender's stamp, and what the broker adds for the receiving node.
+    sent = [bytes(f) for f in wire.encode(wire.USER, SRC, DST, "x", timing=12.5)]
+    assert wire.decode(sent)[0].timing == 12.5
+    hold = wire.Hold(0.25, 100.0, 7, 1)
+    held = [bytes(f) for f in wire.encode(wire.USER, SRC, "client/7", "x", timing=hold)]
+    header, body = wire.decode(held)
+    assert header.timing == hold and type(header.timing) is wire.Hold
+    assert (header.dst_node, header.dst, body) == ("", "client/7", "x")
+    assert wire.decode(wire.encode(wire.USER, SRC, DST, "x"))[0].timing is None
+
+
 def test_names_as_destinations():
     frames = wire.encode(wire.USER, SRC, "client/17", "hi")
     assert wire.decode(frames)[0].dst == "client/17"
@@ -53,7 +65,9 @@ def test_objects_that_cannot_travel_are_refused_at_the_sender():
 
 @pytest.mark.parametrize("frames, reason", [
     ([b"x"], "a message needs a header and a body"),
-    ([b"\x01", b""], "header is not a 6-element array"),
+    ([b"\x01", b""], "header is not a 6- or 7-element array"),
+    ([msgpack.packb([1, 0, "a", 1, "b", 2, "soon"]), msgpack.packb(0)], "header timing 'soon' is neither"),
+    ([msgpack.packb([1, 0, "a", 1, "b", 2, [0.1, 5.0, 3, 2]]), msgpack.packb(0)], "header timing [0.1, 5.0, 3, 2]"),
     ([msgpack.packb([1, 7, "a", 1, "b", 2]), msgpack.packb(0)], "unknown message kind 7"),
     ([wire.pack_header(0, SRC, DST), b"\xc1"], "body is not valid msgpack"),
     ([wire.pack_header(0, SRC, DST), msgpack.packb(msgpack.ExtType(3, msgpack.packb(["Evil", {}])))],

@@ -1,0 +1,188 @@
+"""Authentication for a run: the broker accepts only nodes that hold the run's keys.
+
+ZeroMQ CURVE: the broker's ROUTER is a CURVE server with its own keypair; every node
+of the run is a CURVE client with the run's one client keypair and knows the server's
+public key. The broker's ZAP handler (see :class:`ZapHandler`) accepts exactly the
+run's client public key, so a node without keys (a NULL handshake) or with other keys
+is refused during the handshake, before it can send a single frame to the broker.
+Traffic is encrypted as a side effect.
+
+Threat model: a shared LAN where other users can reach the broker's port. Keys are
+made per run (:meth:`RunKeys.generate`), written 0600 (:meth:`RunKeys.save`) and
+handed to worker hosts over SSH; a node that holds them is trusted as part of the run
+(it can still only send well-formed, size-checked messages: the broker and nodes
+check every frame). Nodes hold only :meth:`RunKeys.for_nodes` (no server secret).
+
+Key file (JSON, one object; keys are Z85 text, 40 characters each)::
+
+    {"fedemu_run_keys": 1,
+     "server_public": "...", "server_secret": "...",   # server_secret: broker only
+     "client_public": "...", "client_secret": "..."}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import zmq
+import zmq.utils.z85
+
+log = logging.getLogger("fedemu.security")
+
+FORMAT_VERSION = 1
+_KEY_NAMES = ("server_public", "server_secret", "client_public", "client_secret")
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
+ZAP_DOMAIN = b"fedemu"
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """A run's CURVE keys, Z85 text. ``server_secret`` is None in a node's copy."""
+
+    server_public: str
+    server_secret: str | None
+    client_public: str
+    client_secret: str
+
+    @classmethod
+    def generate(cls) -> RunKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public.decode(), server_secret.decode(), client_public.decode(), client_secret.decode())
+
+    def for_nodes(self) -> RunKeys:
+        """The keys a node needs: everything but the broker's secret."""
+        return replace(self, server_secret=None)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the keys to ``path``, mode 0600, atomically: a reader sees the old file
+        or the whole new one, and the secret is never readable by others, not even
+        for a moment (the temporary file is created 0600)."""
+        path = Path(path)
+        data = {"fedemu_run_keys": FORMAT_VERSION,
+                **{name: getattr(self, name) for name in _KEY_NAMES if getattr(self, name) is not None}}
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)  # mkstemp's mode already; explicit, whatever the umask
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunKeys:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise KeyFileError(f"run key file {path} does not exist") from None
+        except OSError as exc:
+            raise KeyFileError(f"run key file {path} cannot be read: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise KeyFileError(f"run key file {path} is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("fedemu_run_keys") != FORMAT_VERSION:
+            raise KeyFileError(f"run key file {path} is not a fedemu run key file (format {FORMAT_VERSION})")
+        for name in _KEY_NAMES:
+            value = data.get(name)
+            if value is None and name == "server_secret":
+                continue
+            if not _is_key(value):
+                raise KeyFileError(f"run key file {path}: {name} is missing or not a 40-character Z85 key")
+        keys = cls(**{name: data.get(name) for name in _KEY_NAMES})
+        # A public key that does not belong to its secret would fail every handshake
+        # with an obscure error much later: say so now.
+        if keys.server_secret is not None and zmq.curve_public(keys.server_secret.encode()).decode() != keys.server_public:
+            raise KeyFileError(f"run key file {path}: server_public does not match server_secret")
+        if zmq.curve_public(keys.client_secret.encode()).decode() != keys.client_public:
+            raise KeyFileError(f"run key file {path}: client_public does not match client_secret")
+        return keys
+
+    # --- applying the keys to sockets ------------------------------------------------------
+
+    def make_server(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (before bind) a CURVE server with the run's server keys."""
+        if self.server_secret is None:
+            raise ValueError("these run keys have no server secret (a node's copy): a broker needs the full set")
+        sock.curve_server = True
+        sock.curve_secretkey = self.server_secret.encode()
+        sock.curve_publickey = self.server_public.encode()
+        sock.zap_domain = ZAP_DOMAIN
+
+    def make_client(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (before connect) a CURVE client of the run's broker."""
+        sock.curve_serverkey = self.server_public.encode()
+        sock.curve_publickey = self.client_public.encode()
+        sock.curve_secretkey = self.client_secret.encode()
+
+
+def _is_key(value: object) -> bool:
+    if not isinstance(value, str) or len(value) != 40:
+        return False
+    try:
+        return len(zmq.utils.z85.decode(value)) == 32
+    except (ValueError, KeyError, TypeError):  # z85 raises KeyError on a bad character
+        return False
+
+
+class ZapHandler:
+    """The broker's ZAP handler (RFC 27): accepts a CURVE client whose public key is the
+    run's client key, refuses anything else. Not a thread: the broker polls
+    :attr:`sock` in its own loop and calls :meth:`handle`, so no lock is needed and a
+    refusal is counted where the other counters live.
+
+    ``on_refused(address, reason)`` is called for every refusal."""
+
+    def __init__(self, ctx: zmq.Context, client_public: str, on_refused: Callable[[str, str], None]):
+        self._allowed = zmq.utils.z85.decode(client_public)
+        self._on_refused = on_refused
+        # Bound before the broker binds its ROUTER: with no handler bound, libzmq lets
+        # every CURVE client in.
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+
+    def handle(self) -> None:
+        """Answer every ZAP request that is queued."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [routing id, empty, version, request id, domain, address, identity, mechanism, *credentials]
+            if len(frames) < 8 or frames[2] != b"1.0":
+                log.warning("malformed ZAP request dropped (%d frames)", len(frames))
+                continue
+            envelope, request_id = frames[:2], frames[3]
+            address, mechanism, credentials = frames[5].decode(errors="replace"), frames[7], frames[8:]
+            if mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] == self._allowed:
+                status, text = b"200", b"OK"
+            else:
+                status, text = b"400", b"not a node of this run"
+                key = zmq.utils.z85.encode(credentials[0]).decode() if len(credentials) == 1 and len(credentials[0]) == 32 else "none"
+                self._on_refused(address, f"{mechanism.decode(errors='replace')} client key {key} is not this run's")
+            self.sock.send_multipart([*envelope, b"1.0", request_id, status, text, b"", b""])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+# libzmq's handshake failure codes, for the log.
+PROTOCOL_ERRORS = {getattr(zmq, name): name[len("PROTOCOL_ERROR_"):].lower()
+                   for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}

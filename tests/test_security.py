@@ -1,0 +1,256 @@
+"""Authentication: a broker with run keys admits the run's nodes and refuses, logs and
+counts everyone else, and survives whatever an admitted but buggy node sends. Real
+broker and node processes on real sockets, as in test_runtime."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import stat
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from fedemu.node import TIMEOUT, Broker, Node, NodeError, Pid, wire
+from fedemu.node.security import KeyFileError, RunKeys
+
+from .realprocs import Procs
+from .test_runtime import run_in_process, whereis
+
+HEARTBEAT_TIMEOUT = 1.0
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def keys(tmp_path):
+    keys = RunKeys.generate()
+    keys.save(tmp_path / "run.keys")
+    keys.for_nodes().save(tmp_path / "node.keys")
+    return keys
+
+
+def node(name: str, broker: str, keys: RunKeys | None) -> Node:
+    return Node(name, broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT, keys=keys)
+
+
+def echo_round_trips(n: Node, count: int, tag: str) -> list:
+    """``count`` messages to the peer's echo process; the echoes' sequence numbers."""
+    def body(proc):
+        echo = whereis(proc, "peer/echo")
+        for i in range(count):
+            proc.send(echo, {"tag": tag, "seq": i})
+        got = []
+        while len(got) < count:
+            msg = proc.receive(lambda m: isinstance(m, dict) and m.get("tag") == tag, timeout=10)
+            if msg is TIMEOUT:
+                break
+            got.append(msg.body["seq"])
+        return got
+
+    return run_in_process(n, body)
+
+
+# --- the key file ----------------------------------------------------------------------------
+
+
+def test_run_keys_file_is_private_round_trips_and_is_checked(tmp_path, keys):
+    path = tmp_path / "run.keys"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert RunKeys.load(path) == keys
+    node_copy = RunKeys.load(tmp_path / "node.keys")
+    assert node_copy.server_secret is None and node_copy.client_secret == keys.client_secret
+    assert "server_secret" not in json.loads((tmp_path / "node.keys").read_text())
+    assert keys != RunKeys.generate()  # fresh keys every run
+    # Saving again replaces the file whole and keeps it private.
+    other = RunKeys.generate()
+    other.save(path)
+    assert RunKeys.load(path) == other and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+    with pytest.raises(KeyFileError, match=f"run key file {tmp_path / 'missing.keys'} does not exist"):
+        RunKeys.load(tmp_path / "missing.keys")
+    bad = tmp_path / "bad.keys"
+    cases = {
+        "{not json": "is not JSON",
+        json.dumps({"server_public": keys.server_public}): "is not a fedemu run key file",
+        json.dumps({"fedemu_run_keys": 1, **{k: getattr(keys, k) for k in ("server_public", "server_secret",
+                                                                          "client_public")},
+                    "client_secret": "short"}): "client_secret is missing or not a 40-character Z85 key",
+        json.dumps({"fedemu_run_keys": 1, "server_public": other.server_public, "server_secret": keys.server_secret,
+                    "client_public": keys.client_public, "client_secret": keys.client_secret}):
+            "server_public does not match server_secret",
+    }
+    for text, reason in cases.items():
+        bad.write_text(text)
+        with pytest.raises(KeyFileError, match=reason) as err:
+            RunKeys.load(bad)
+        assert str(bad) in str(err.value)
+    # A node's copy cannot run a broker: it has no server secret.
+    with pytest.raises(ValueError, match="no server secret"):
+        Broker("tcp://127.0.0.1:0", keys=node_copy)
+
+
+# --- who gets in -------------------------------------------------------------------------------
+
+
+def test_only_nodes_with_the_run_keys_get_in_and_refusals_are_logged_and_counted(procs, tmp_path, keys):
+    broker = procs.broker(keys=tmp_path / "run.keys", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    procs.peer("peer", broker, keys=tmp_path / "node.keys")
+    member = node("observer", broker, keys.for_nodes()).start()
+    try:
+        assert echo_round_trips(member, 50, "before") == list(range(50))
+        # Traffic between the run's nodes keeps flowing while intruders knock.
+        during: dict = {}
+        pinger = threading.Thread(target=lambda: during.update(got=echo_round_trips(member, 2000, "during")))
+        pinger.start()
+        stranger = RunKeys.generate()  # another run: other server and client keys
+        impostor = RunKeys(keys.server_public, None, stranger.client_public, stranger.client_secret)
+        reasons = {}
+        for name, their_keys in (("no-keys", None), ("other-run", stranger), ("impostor", impostor)):
+            with pytest.raises(NodeError, match="refused node") as err:
+                node(name, broker, their_keys).start(connect_timeout=10)
+            reasons[name] = str(err.value)
+        pinger.join(30)
+        assert during.get("got") == list(range(2000))
+        stats = member.broker_stats()
+        assert echo_round_trips(member, 50, "after") == list(range(50))
+    finally:
+        member.close()
+    assert "no run keys; the broker requires them" in reasons["no-keys"]
+    assert "not the run's" in reasons["impostor"]
+    # Nothing of theirs reached the broker as a message: refused at the handshake.
+    assert stats["refused"] >= 3
+    assert stats["dropped"] == {}
+    log_text = procs.log("broker")
+    assert log_text.count("refused connection from") >= 3
+    # The impostor passed CURVE with the right server key and was refused by the
+    # broker's key check (ZAP), which knows its address and key.
+    assert f"refused connection from 127.0.0.1 (#1 from there): CURVE client key {impostor.client_public}" \
+           " is not this run's" in log_text
+    assert "node no-keys joined" not in log_text and "node impostor joined" not in log_text
+
+
+def test_a_raw_socket_without_keys_gets_no_answer(procs, tmp_path, keys):
+    broker = procs.broker(keys=tmp_path / "run.keys", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"raw")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker)
+    try:
+        sock.send_multipart(wire.encode(wire.CTL, Pid("raw", 0), Pid("$broker", 0), {"op": "hello"}))
+        assert not sock.poll(1500), "a node without keys got an answer"
+    finally:
+        sock.close()
+    assert "refused connection from" in procs.log("broker")
+
+
+# --- an admitted node that sends garbage -----------------------------------------------------------------
+
+
+def garbage(rng: random.Random, targets: list) -> list:
+    """One message an authenticated but buggy node might send: random frames, broken
+    headers, wrong types, bodies that are not what they claim, control requests with
+    nonsense fields, and requests only the broker may send."""
+    def junk(n: int = 64) -> bytes:
+        return rng.randbytes(rng.randrange(n))
+
+    def value(depth: int = 0):
+        choices = [lambda: rng.randrange(-2**40, 2**40), lambda: rng.random() * 1e9, lambda: None,
+                   lambda: rng.choice([True, False]), lambda: junk(), lambda: "x" * rng.randrange(40),
+                   lambda: msgpack.ExtType(rng.randrange(128), junk(20))]
+        if depth < 2:
+            choices += [lambda: [value(depth + 1) for _ in range(rng.randrange(5))],
+                        lambda: {str(value(depth + 1))[:10]: value(depth + 1) for _ in range(rng.randrange(4))}]
+        return rng.choice(choices)()
+
+    src = Pid("buggy", rng.randrange(3))
+    kind = rng.randrange(9)
+    if kind == 0:  # random frames
+        return [junk(300) for _ in range(rng.randrange(1, 6))]
+    if kind == 1:  # a header of the right length with wrong field types, and a timing field
+        fields = [rng.choice([1, 1, 2, "1"]), rng.choice([0, 1, 5]), "buggy", value(), value(), value()]
+        if rng.random() < 0.5:
+            fields.append(rng.choice([value(), [0.1, 0.2, 3, 1], 1e300, float("nan")]))
+        return [msgpack.packb(fields, default=str), junk()]
+    if kind == 2:  # a user message to a real process whose body is not msgpack
+        return [wire.pack_header(wire.USER, src, rng.choice(targets)), junk(), *([junk()] * rng.randrange(2))]
+    if kind == 3:  # a body claiming arrays that are not there, or do not fit
+        meta = msgpack.packb([rng.randrange(-1, 3), rng.choice(["<f4", "|O", "V8", "<i8", 7]),
+                              [rng.randrange(-2, 50)]])
+        return [wire.pack_header(wire.USER, src, rng.choice(targets)),
+                msgpack.packb(msgpack.ExtType(2, meta)), *[junk(40) for _ in range(rng.randrange(3))]]
+    if kind == 4:  # registered message classes with wrong fields, unknown classes
+        inner = msgpack.packb([rng.choice(["Down", "Evil", "TrainRequest"]), {"ref": value(), "x": value()}],
+                              default=str)
+        return [wire.pack_header(wire.USER, src, rng.choice(targets)), msgpack.packb(msgpack.ExtType(3, inner))]
+    if kind == 5:  # control requests to the broker with nonsense fields ("shutdown" is a valid request)
+        op = rng.choice(["hello", "hb", "register", "unregister", "whereis", "stats", "round", "set_links",
+                         "held_dropped", "bye", "no-such-op", 17])
+        body = {"op": op, **{k: value() for k in rng.sample(["entries", "names", "name", "round", "clients",
+                                                             "profile", "offline", "counts", "ref", "t"], 3)}}
+        return wire.encode(wire.CTL, Pid("buggy", 0), Pid("$broker", 0), body)
+    if kind == 6:  # control to a real node: ops only the broker may send, and broken monitor traffic
+        op = rng.choice(["shutdown", "node_down", "unknown_node", "offline", "welcome", "reply",
+                         "monitor", "demonitor", "down", "no-such-op"])
+        body = {"op": op, **{k: value() for k in rng.sample(["node", "links", "at", "ref", "watcher", "target",
+                                                             "down", "value"], 3)}}
+        return wire.encode(wire.CTL, Pid("buggy", 0), rng.choice([Pid("peer", 0), Pid("observer", 0)]), body)
+    if kind == 7:  # a header naming someone else as the source
+        return wire.encode(wire.USER, Pid(rng.choice(["peer", "observer", "$broker"]), 1), rng.choice(targets), 1)
+    # well-formed messages with random content: delivered, and the echo answers them
+    return wire.encode(wire.USER, src, rng.choice(targets), value())
+
+
+def test_broker_survives_an_authenticated_node_sending_garbage(procs, tmp_path, keys):
+    broker = procs.broker(keys=tmp_path / "run.keys", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    procs.peer("peer", broker, keys=tmp_path / "node.keys")
+    member = node("observer", broker, keys.for_nodes()).start()
+    buggy = zmq.Context.instance().socket(zmq.DEALER)
+    buggy.setsockopt(zmq.ROUTING_ID, b"buggy")
+    buggy.setsockopt(zmq.LINGER, 0)
+    keys.for_nodes().make_client(buggy)
+    buggy.connect(broker)
+    try:
+        buggy.send_multipart(wire.encode(wire.CTL, Pid("buggy", 0), Pid("$broker", 0), {"op": "hello", "t": 0.0}))
+        assert buggy.poll(5000), "the broker did not welcome an authenticated raw node"
+        # One request only the broker may give, sent by a node: the peer must not obey.
+        buggy.send_multipart(wire.encode(wire.CTL, Pid("buggy", 0), Pid("peer", 0), {"op": "shutdown"}))
+        rng = random.Random(20240611)
+        targets = ["peer/echo", Pid("peer", 1), Pid("peer", 99), Pid("observer", 1), "nobody", Pid("ghost", 1)]
+        during: dict = {}
+        pinger = threading.Thread(target=lambda: during.update(got=echo_round_trips(member, 1000, "during")))
+        pinger.start()
+        for i in range(3000):
+            if i % 200 == 0:  # stay known to the broker: a silent node is declared lost
+                buggy.send_multipart(wire.encode(wire.CTL, Pid("buggy", 0), Pid("$broker", 0),
+                                                 {"op": "hello" if i % 400 else "hb", "t": 0.0}))
+            buggy.send_multipart(garbage(rng, targets))
+            while buggy.poll(0):  # whatever comes back (echoes, replies) is read and ignored
+                buggy.recv_multipart()
+        pinger.join(30)
+        assert during.get("got") == list(range(1000))
+        assert echo_round_trips(member, 200, "after") == list(range(200))
+        stats = member.broker_stats()
+    finally:
+        buggy.close()
+        member.close()
+    assert procs.broker_proc.poll() is None, "broker died"
+    assert stats["dropped"].get("malformed", 0) >= 300
+    assert stats["dropped"].get("spoofed", 0) >= 100
+    broker_log, peer_log = procs.log("broker"), procs.log("peer")
+    # Every bad message was turned away by a check, none by an unexpected error.
+    assert "error handling a message" not in broker_log and "Traceback" not in broker_log
+    # Garbage that reached the peer was dropped there, and the peer lives on: ops only
+    # the broker may send were refused from a node.
+    assert "node peer dropped a message (malformed)" in peer_log
+    assert "node peer dropped a message (spoofed): control 'shutdown'" in peer_log
+    assert "I/O thread of peer failed" not in peer_log and "Traceback" not in peer_log
+    assert "closing" not in peer_log
