@@ -54,7 +54,8 @@ class Machines:
         return argv[:1] + self.ssh_options + argv[1:]
 
 
-def _first_line_json(text: str) -> dict | None:
+def _json_line(text: str) -> dict | None:
+    """The last line of ``text`` that is a JSON object (ssh may print banners first)."""
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
             try:
@@ -77,7 +78,7 @@ def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str,
                               stdin=subprocess.DEVNULL, timeout=PREFLIGHT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"problems": [f"the preflight did not answer within {PREFLIGHT_TIMEOUT_S}s"]}
-    report = _first_line_json(done.stdout)
+    report = _json_line(done.stdout)
     stderr = " | ".join(done.stderr.strip().splitlines()[-3:])
     if done.returncode == 255 and report is None:
         return {"problems": [f"unreachable over SSH: {stderr or 'ssh exited with 255'}"]}
@@ -214,7 +215,7 @@ class MachinesRun(LocalRun):
             "broker_port": port,
             "server_host": "local",
             "hosts": [{"host": str(h), "address": reports[h]["broker_address"], "workers": indices,
-                       "clients": [clients[i].start for i in indices[:1]] + [clients[indices[-1]].stop - 1],
+                       "clients": [clients[indices[0]].start, clients[indices[-1]].stop - 1],
                        "fedemu": reports[h]["fedemu"], "torch": reports[h].get("torch"),
                        "python": reports[h]["python"]} for h, indices in assignment.items()],
         }

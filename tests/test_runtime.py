@@ -14,16 +14,8 @@ import zmq
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, NodeError, Pid, wire
 
-from .realprocs import Procs
 
 HEARTBEAT_TIMEOUT = 1.0
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 @pytest.fixture

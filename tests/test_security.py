@@ -16,17 +16,9 @@ import zmq
 from fedemu.node import TIMEOUT, Broker, Node, NodeError, Pid, wire
 from fedemu.node.security import KeyFileError, RunKeys
 
-from .realprocs import Procs
 from .test_runtime import run_in_process, whereis
 
 HEARTBEAT_TIMEOUT = 1.0
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 @pytest.fixture
