@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import config as configuration
+from .host_options import machine_options
 
 
 def _config_error(exc: Exception) -> click.ClickException:
@@ -25,34 +26,18 @@ def main() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: run.out/<time>-<algorithm>-...).")
 @click.option("--workers", type=int,
               help="Worker nodes (OS processes); default: number of cores. With --machines: per host without slots=.")
-@click.option("--machines", help="Worker hosts over SSH: [user@]host[:port],... (broker and server stay here).")
-@click.option("--hostfile", type=click.Path(dir_okay=False),
-              help="Worker hosts, one per line: [user@]host[:port] [slots=N] [python=PATH].")
-@click.option("--ssh-config", type=click.Path(dir_okay=False, exists=True),
-              help="An ssh_config file for the hosts (ssh -F); default: your ~/.ssh/config.")
-@click.option("--advertise", help="Address the hosts use to reach the broker; default: this machine as SSH sees it.")
-@click.option("--remote-python", help="Python with fedemu on the hosts; default: this interpreter's path.")
+@machine_options
 def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None,
-           machines: str | None, hostfile: str | None, ssh_config: str | None, advertise: str | None,
-           remote_python: str | None) -> None:
+           machines) -> None:
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile)."""
     from fedemu.worker.data import DatasetError
 
-    from .hosts import HostError, parse_hostfile, parse_machines
     from .local import LaunchError, launch as run_local
 
     try:
-        spread = None
-        if machines and hostfile:
-            raise LaunchError("give either --machines or --hostfile, not both")
-        if machines or hostfile:
-            from .machines import Machines
-
-            hosts = parse_machines(machines) if machines else parse_hostfile(hostfile)
-            spread = Machines(hosts, ssh_config=ssh_config, advertise=advertise, remote_python=remote_python)
-        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=spread)
-    except (configuration.ConfigError, LaunchError, DatasetError, HostError) as exc:
+        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
+    except (configuration.ConfigError, LaunchError, DatasetError) as exc:
         raise _config_error(exc) from None
     click.echo(f"summary: {json.dumps(summary)}")
     click.echo(f"run directory: {run_dir}")

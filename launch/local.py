@@ -107,13 +107,13 @@ class LocalRun:
                 if name != "server" and name not in reported and proc.poll() not in (None, 0):
                     reported.add(name)  # the server sees its clients DOWN; the user sees why
                     self.echo(f"warning: {name} exited with code {proc.returncode}: {self._tail(name)}")
-            self._check_remote()
+            self.check_hosts()
             time.sleep(0.25)
         self._print_new_events()
         return self.summary()
 
-    def _check_remote(self) -> None:
-        """Hook for runs with nodes on other machines."""
+    def check_hosts(self) -> None:
+        """Report a lost host; a hook for runs with nodes on other machines."""
 
     def _print_new_events(self) -> None:
         path = self.run_dir / EVENTS

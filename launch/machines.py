@@ -253,7 +253,7 @@ class MachinesRun(LocalRun):
                 self.echo(f"warning: {host} has torch {report.get('torch')}, this machine {local_torch}")
         return reports
 
-    def _check_remote(self) -> None:
+    def check_hosts(self) -> None:
         for remote in self.remotes:
             if remote.lost_reported or remote.alive():
                 continue

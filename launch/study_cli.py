@@ -7,16 +7,22 @@ import sys
 
 import click
 
+from .host_options import machine_options
+
 
 @click.command()
 @click.argument("sweep_file", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), help="Sweep directory (default: sweep.out, or sweeps/<name>).")
 @click.option("--parallel", type=int, help="Points at once (default: sweep.parallel; 0: cores / workers per point).")
-@click.option("--workers-per-point", type=int, help="Worker nodes per point (default: sweep.workers_per_point, 1).")
+@click.option("--workers-per-point", type=int,
+              help="Worker nodes per point (default: sweep.workers_per_point, 1). With --machines: per host without slots=.")
 @click.option("--dry-run", is_flag=True, help="List the points and exit.")
-def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_point: int | None, dry_run: bool) -> None:
+@machine_options
+def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_point: int | None, dry_run: bool,
+          machines) -> None:
     """Run every point of SWEEP_FILE's grid; rerun to resume (completed points are skipped,
-    failed and interrupted ones retried)."""
+    failed and interrupted ones retried). With --machines every point's worker nodes run
+    on the hosts; --parallel N splits the hosts into N groups, one point on each."""
     from fedemu.worker.data import DatasetError
 
     from .sweep import SweepError, load_spec, run_sweep
@@ -27,8 +33,8 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         spec = load_spec(sweep_file, out)
-        counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, echo=click.echo,
-                           dry_run=dry_run)
+        counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
+                           echo=click.echo, dry_run=dry_run)
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:

@@ -5,8 +5,8 @@ A sweep file is a base config plus axes::
     [sweep]
     base = "../dropout-lte.toml"   # optional, relative to this file; default: the embedded default
     out = "sweeps/lte"             # the sweep directory (default: sweeps/<file name>)
-    parallel = 0                   # points at once; 0: cores / workers_per_point
-    workers_per_point = 1          # worker nodes per point
+    parallel = 0                   # points at once; 0: cores / workers_per_point (--machines: 1)
+    workers_per_point = 1          # worker nodes per point (--machines: per host without slots=)
     target = 0.9                   # accuracy for the time-to-target columns and figures
 
     [base.run]                     # config on top of the base file, as in a run config
@@ -26,6 +26,10 @@ per point: its axis values as columns, status, run directory, summary figures) a
 points and retries the others; a point whose resolved config changed (the base file
 was edited) is refused, naming the keys, since its old result would silently stand for
 a different experiment.
+
+With ``--machines``/``--hostfile`` every point is a multi-machine launch: its broker and
+server run here, its worker nodes on the hosts. ``--parallel N`` splits the hosts into N
+groups and runs N points at once, each on a group of its own.
 """
 from __future__ import annotations
 
@@ -41,13 +45,16 @@ import sqlite3
 import threading
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import config as configuration
 from .report import REPEAT_KEYS, curve, flat, fmt, times_to_target
+
+if TYPE_CHECKING:
+    from .machines import Machines
 
 SWEEP_KEYS = ("name", "base", "out", "parallel", "workers_per_point", "target")
 # Keys that change how a point is run, not what it computes: not part of its identity.
@@ -73,7 +80,7 @@ class Spec:
     groups: list[tuple[list[str], list[tuple]]]  # (keys, one value tuple per step)
     out: Path
     parallel: int = 0
-    workers_per_point: int = 1
+    workers_per_point: int | None = None  # unset: 1 here; with machines, each host's slots or cores
     target: float = 0.0
 
     @property
@@ -354,17 +361,26 @@ def _time_scale(run_dir: Path) -> float:
 # --- one point ------------------------------------------------------------------------
 
 
-def run_point(config: dict, run_dir: Path, *, workers: int, stop: threading.Event,
-              on_start: Callable[[list[int]], None] | None = None, machines: list[str] | None = None) -> dict:
-    """Run one configuration into ``run_dir`` and return its summary. Every sweep point
-    goes through here, so multi-machine runs are one branch on ``machines``."""
+def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threading.Event,
+              on_start: Callable[[list[int]], None] | None = None, machines: Machines | None = None) -> dict:
+    """Run one configuration into ``run_dir`` and return its summary: on this machine with
+    ``workers`` worker nodes, or with worker nodes on ``machines`` (``workers``: slots
+    of a host without ``slots=``). What the launcher would print goes to logs/launch.out."""
     from .local import LaunchError, LocalRun, make_run_dir
 
-    if machines:
-        raise SweepError("sweeps over --machines need multi-machine launch, which is not built yet")
     make_run_dir(config, run_dir)
     (run_dir / "config.toml").write_text(configuration.to_toml(config))
-    run = LocalRun(config, run_dir, workers, echo=lambda line: None)
+
+    def echo(line: str) -> None:  # opened per line: host reader threads may outlive this call
+        with open(run_dir / "logs" / "launch.out", "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+
+    if machines is None:
+        run = LocalRun(config, run_dir, workers or 1, echo)
+    else:
+        from .machines import MachinesRun
+
+        run = MachinesRun(config, run_dir, machines, echo, default_slots=workers)
     try:
         try:
             run.start()
@@ -379,12 +395,14 @@ def run_point(config: dict, run_dir: Path, *, workers: int, stop: threading.Even
                     asked, last = asked or time.monotonic(), time.monotonic()
                 if asked is not None and time.monotonic() - asked > 30:
                     break  # run.stop() below terminates what is left
+                run.check_hosts()
                 time.sleep(0.2)
         finally:
             # Stopping: a server killed before it could tell its nodes leaves them waiting
             # for it; do not give them the normal 15 s before terminating them.
             run.stop(grace=3.0 if stop.is_set() else 15.0)
     except LaunchError as exc:
+        echo(f"failed: {exc}")
         return {"status": "failed", "reason": str(exc)}
     # After stop(): a server terminated there has written its summary by now.
     return run.summary()
@@ -431,26 +449,59 @@ def _duration(s: float) -> str:
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def plan(spec: Spec, parallel: int | None, workers_per_point: int | None) -> tuple[int, int]:
-    cores = os.cpu_count() or 1
+@dataclass
+class Layout:
+    """Where the points run: how many at once, worker nodes each, and with --machines
+    the hosts of each concurrent point (disjoint groups, one per slot)."""
+
+    parallel: int
+    workers_per_point: int | None  # with machines: slots of a host without slots= (None: its cores)
+    host_groups: list[Machines] | None = None
+
+    def describe(self) -> str:
+        if self.host_groups is None:
+            return f"{self.parallel} at a time, {self.workers_per_point} worker node(s) each"
+        slots = f"{self.workers_per_point} per host" if self.workers_per_point else "each host's slots or cores"
+        return (f"{self.parallel} at a time, on hosts " + " | ".join(",".join(map(str, g.hosts)) for g in self.host_groups)
+                + f", worker nodes: {slots}")
+
+
+def plan(spec: Spec, parallel: int | None, workers_per_point: int | None,
+         machines: Machines | None = None) -> Layout:
     wpp = workers_per_point or spec.workers_per_point
     par = parallel if parallel is not None else spec.parallel
-    # One worker node keeps about one core busy; the server and broker mostly wait.
-    return (par or max(1, cores // wpp)), wpp
+    if machines is None:
+        wpp = wpp or 1
+        # One worker node keeps about one core busy; the server and broker mostly wait.
+        return Layout(par or max(1, (os.cpu_count() or 1) // wpp), wpp)
+    # A point spans its share of the hosts; by default all of them, as one launch would.
+    par = par or 1
+    hosts = machines.hosts
+    if par > len(hosts):
+        raise SweepError(f"--parallel {par} with --machines needs at least {par} hosts (each running point "
+                         f"gets hosts of its own); {len(hosts)} given")
+    size, extra = divmod(len(hosts), par)
+    groups, start = [], 0
+    for i in range(par):  # consecutive hosts, group sizes differing by at most one
+        end = start + size + (1 if i < extra else 0)
+        groups.append(replace(machines, hosts=hosts[start:end]))
+        start = end
+    return Layout(par, wpp, groups)
 
 
 def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int | None = None,
-              echo: Callable[[str], None] = print, dry_run: bool = False,
+              machines: Machines | None = None, echo: Callable[[str], None] = print, dry_run: bool = False,
               stop: threading.Event | None = None) -> dict:
-    """Run every point of ``spec`` that has not completed; returns counts by status."""
+    """Run every point of ``spec`` that has not completed, on this machine or with worker
+    nodes on ``machines``; returns counts by status."""
     points = expand(spec)
-    parallel, wpp = plan(spec, parallel, workers_per_point)
+    layout = plan(spec, parallel, workers_per_point, machines)
     # Absolute: the nodes' command lines name it, which is how a resume finds them.
     sweep_dir = spec.out.resolve()
     if dry_run:
         for p in points:
             echo(f"{p.seq:4d}  {p.id}")
-        echo(f"{len(points)} points; would run {parallel} at a time with {wpp} worker node(s) each into {sweep_dir}")
+        echo(f"{len(points)} points; would run {layout.describe()}, into {sweep_dir}")
         return {"points": len(points)}
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = open(sweep_dir / LOCK_FILE, "w")
@@ -464,7 +515,7 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
         index.sync(spec, points)
         (sweep_dir / "sweep.toml").write_text(spec.text)
         _recover(index, sweep_dir, spec.target, echo)
-        return _run(spec, points, index, sweep_dir, parallel, wpp, echo, stop or threading.Event())
+        return _run(spec, points, index, sweep_dir, layout, echo, stop or threading.Event())
     finally:
         index.close()
         lock.close()
@@ -506,7 +557,7 @@ def _fetch_data(points: list[Point], echo) -> None:
         data.fetch(name, cache, progress=lambda line: None)
 
 
-def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, parallel: int, wpp: int,
+def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout: Layout,
          echo, stop: threading.Event) -> dict:
     rows = index.rows()
     todo = [p for p in points if rows[p.id]["status"] != "completed"]
@@ -517,16 +568,18 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, paralle
         echo("nothing to run")
         return _counts(index)
     _fetch_data(todo, echo)
-    cores = os.cpu_count() or 1
-    echo(f"running {len(todo)} point(s), {parallel} at a time, {wpp} worker node(s) each, into {sweep_dir}")
+    parallel = layout.parallel
+    echo(f"running {len(todo)} point(s), {layout.describe()}, into {sweep_dir}")
     running: dict[str, tuple[threading.Thread, dict, Point]] = {}
+    free_hosts = list(layout.host_groups or [])  # with machines: groups no running point holds
     queue = list(todo)
     last_line = 0.0
     try:
         while queue or running:
             while queue and len(running) < parallel and not stop.is_set():
                 p = queue.pop(0)
-                running[p.id] = _start(p, rows[p.id], index, sweep_dir, wpp, parallel, cores, stop)
+                hosts = free_hosts.pop(0) if layout.host_groups else None
+                running[p.id] = _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop)
                 echo(f"start  {p.id}  {progress.line(len(running), parallel)}")
             for pid, (thread, box, p) in list(running.items()):
                 if "pids" in box and not box.get("recorded"):
@@ -537,6 +590,8 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, paralle
                 if thread.is_alive():
                     continue
                 del running[pid]
+                if box["hosts"] is not None:
+                    free_hosts.append(box["hosts"])
                 _finish(p, box, index, sweep_dir, spec.target, progress, stop, echo, len(running), parallel)
             if stop.is_set() and not running:
                 break
@@ -558,13 +613,14 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, paralle
     return _counts(index)
 
 
-def _start(p: Point, row: dict, index: Index, sweep_dir: Path, wpp: int, parallel: int, cores: int,
+def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, hosts: Machines | None,
            stop: threading.Event) -> tuple[threading.Thread, dict, Point]:
     config = json.loads(json.dumps(p.config))
-    config["run"]["workers"] = wpp
-    if not config["run"]["torch_threads"]:
+    wpp = layout.workers_per_point
+    config["run"]["workers"] = wpp or 0
+    if hosts is None and not config["run"]["torch_threads"]:
         # Points share the cores: torch's default (all cores per node) would oversubscribe.
-        config["run"]["torch_threads"] = max(1, cores // (parallel * wpp))
+        config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // (layout.parallel * wpp))
     run_rel = Path("runs") / p.id
     run_dir = sweep_dir / run_rel
     attempts = (row["attempts"] or 0) + 1
@@ -576,7 +632,7 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, wpp: int, paralle
         run_dir.rename(aside)
     index.update(p.id, status="running", attempts=attempts, run_dir=str(run_rel), started_at=_now(),
                  finished_at=None, reason=None, pids="[]")
-    box: dict = {}
+    box: dict = {"hosts": hosts}
     lock = threading.Lock()
 
     def on_start(pids: list[int]) -> None:
@@ -586,7 +642,7 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, wpp: int, paralle
     def target() -> None:
         started = time.monotonic()
         try:
-            box["summary"] = run_point(config, run_dir, workers=wpp, stop=stop, on_start=on_start)
+            box["summary"] = run_point(config, run_dir, workers=wpp, stop=stop, on_start=on_start, machines=hosts)
         except Exception as exc:  # a point's failure must not take the sweep down
             box["summary"] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
         box["wall"] = time.monotonic() - started

@@ -221,3 +221,40 @@ def test_ctrl_c_stops_the_nodes_on_every_host(hosts, tmp_path):
     assert_hosts_left_clean(hosts)
     assert not local_processes_of(run_dir)
     assert not (run_dir / "logs" / "worker-0.out").read_text().count("Traceback")
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_a_sweep_over_machines_runs_concurrent_points_on_hosts_of_their_own(hosts, tmp_path):
+    from .test_sweep import rows, tiny_mnist
+
+    tiny_mnist(tmp_path / "cache")  # the hosts share this machine's file system
+    spec = tmp_path / "s.toml"
+    spec.write_text(f"""
+[base.run]
+rounds = 2
+target_accuracy = 0.0
+heartbeat_interval_s = 0.2
+torch_threads = 1
+[base.data]
+clients = 4
+cache_dir = "{tmp_path / 'cache'}"
+[base.algorithm]
+C = 0.5
+[axes]
+"algorithm.E" = [1, 2]
+""")
+    out = tmp_path / "sw"
+    argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out), "--machines", "h1,h2",
+            "--ssh-config", str(hosts.ssh_config), "--parallel", "2", "--workers-per-point", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {r["status"] for r in rows(out).values()} == {"completed"}
+    placed = {}
+    for point in ("E=1", "E=2"):
+        record = json.loads((out / "runs" / point / "machines.json").read_text())
+        placed[point] = [h["host"] for h in record["hosts"]]
+        assert (out / "runs" / point / "logs" / "worker-0.out").exists()  # streamed back from its host
+    assert sorted(placed.values()) == [["h1"], ["h2"]]  # one host each: they ran side by side
+    assert_hosts_left_clean(hosts)
+    assert not local_processes_of(out)

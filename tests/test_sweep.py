@@ -263,6 +263,50 @@ def test_the_index_answers_plain_sql(tmp_path):
     db.close()
 
 
+def test_with_machines_concurrent_points_get_disjoint_groups_of_hosts(tmp_path):
+    from fedemu.launch.hosts import Host
+    from fedemu.launch.machines import Machines
+
+    spec = sweep.load_spec(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw")
+    a, b, c = Host("a"), Host("b"), Host("c", slots=4)
+    machines = Machines([a, b, c], ssh_config="cfg")
+    layout = sweep.plan(spec, 2, None, machines)
+    assert [g.hosts for g in layout.host_groups] == [[a, b], [c]]
+    assert all(g.ssh_config == "cfg" for g in layout.host_groups)
+    assert layout.workers_per_point is None  # each host's slots=, else its cores, as `launch` does
+    whole = sweep.plan(spec, None, 2, machines)  # by default a point spans every host
+    assert whole.parallel == 1 and whole.host_groups[0].hosts == [a, b, c] and whole.workers_per_point == 2
+    with pytest.raises(sweep.SweepError, match="--parallel 4 with --machines needs at least 4 hosts"):
+        sweep.plan(spec, 4, None, machines)
+
+
+def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
+    from fedemu.launch.hosts import Host
+    from fedemu.launch.machines import Machines
+
+    held: dict[str, list] = {}
+    overlaps: list[tuple] = []
+    lock = threading.Lock()
+    runner = FakeRunner()
+
+    def on_hosts(config, run_dir, *, workers, stop, on_start=None, machines=None):
+        with lock:
+            mine = {h.name for h in machines.hosts}
+            overlaps.extend((run_dir.name, other) for other, hs in held.items() if mine & set(hs))
+            held[run_dir.name] = list(mine)
+        time.sleep(0.05)
+        try:
+            return runner(config, run_dir, workers=workers, stop=stop, on_start=on_start)
+        finally:
+            with lock:
+                del held[run_dir.name]
+
+    machines = Machines([Host("a"), Host("b"), Host("c")])
+    counts = run(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw", on_hosts, machines=machines)
+    assert counts == {"completed": 8} and len(runner.calls) == 8
+    assert overlaps == []  # two running points never shared a host
+
+
 # --- real points ---------------------------------------------------------------------
 
 
