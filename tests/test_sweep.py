@@ -95,6 +95,14 @@ def rows(out: Path) -> dict[str, dict]:
         db.close()
 
 
+def status_of(out: Path, point: str) -> str | None:
+    """A point's status while a sweep process may still be creating its index."""
+    try:
+        return rows(out).get(point, {}).get("status")
+    except sqlite3.OperationalError:  # no file or no table yet
+        return None
+
+
 # --- the grid ------------------------------------------------------------------------
 
 
@@ -347,7 +355,7 @@ C = 0.5
     argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
-    while not (out / "sweep.db").exists() or rows(out).get("E=2", {}).get("status") != "running":
+    while status_of(out, "E=2") != "running":
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the second point never started"
         time.sleep(0.2)
