@@ -85,7 +85,9 @@ def sgd_epochs(
     cut into minibatches; one plain SGD step (no momentum, no weight decay) per batch.
     ``after_backward`` may edit gradients (a structured update's mask). Returns the
     steps taken and the last epoch's minibatch losses."""
-    optimizer = torch.optim.SGD(parameters, lr=lr, momentum=0.0, weight_decay=0.0)
+    # The step by hand, as torch.optim.SGD does it on CPU (param += -lr * grad): its first
+    # use imports torch._dynamo, seconds of start-up in every node process.
+    params = list(parameters)
     count = len(targets)
     steps = 0
     epoch_losses: list[float] = []
@@ -94,14 +96,17 @@ def sgd_epochs(
         epoch_losses = []
         for start in range(0, count, batch):
             chosen = order[start : start + batch]
-            if lr_decay:
-                optimizer.param_groups[0]["lr"] = lr / (1.0 + lr_decay * (start_iteration + steps))
-            optimizer.zero_grad(set_to_none=True)
+            step_lr = lr / (1.0 + lr_decay * (start_iteration + steps)) if lr_decay else lr
+            for p in params:
+                p.grad = None
             loss = F.cross_entropy(forward(inputs[chosen]), targets[chosen])
             loss.backward()
             if after_backward is not None:
                 after_backward()
-            optimizer.step()
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-step_lr)
             epoch_losses.append(loss.item())
             steps += 1
     return steps, epoch_losses
