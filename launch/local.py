@@ -63,10 +63,24 @@ class LocalRun:
         return proc
 
     def start(self) -> None:
+        self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
         endpoint = self._start_broker("tcp://127.0.0.1:0")
         self._start_server(endpoint)
         for i in range(self.workers):
             self._start(f"worker-{i}", "node", "worker", "--index", str(i), *self._node_args(endpoint))
+
+    def _network_by_machine(self, clients_of: dict[str, range]) -> list[tuple[str, frozenset[int]]]:
+        """network.assign with its ``machine`` entries resolved to the clients each host
+        runs (empty when there are none); a host the run does not have is a LaunchError."""
+        from fedemu.node.links import LinkConfigError
+
+        spec, _ = configuration.network_parts(self.config)
+        if not spec.machines:
+            return []
+        try:
+            return spec.resolve_machines(clients_of)
+        except LinkConfigError as exc:
+            raise LaunchError(str(exc)) from None
 
     def _keys_args(self) -> list[str]:
         return ["--keys", str(self.keys_file)] if self.keys_file else []

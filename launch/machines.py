@@ -30,6 +30,7 @@ from fedemu.worker.client import placement
 
 from .agent import code_digest, fedemu_version
 from .hosts import Host, ssh_argv
+from . import config as configuration
 from .local import LaunchError, LocalRun
 
 PREFLIGHT_TIMEOUT_S = 600  # a first fetch of the data set on a host may take minutes
@@ -199,6 +200,9 @@ class MachinesRun(LocalRun):
     def start(self) -> None:
         from fedemu.node.security import RunKeys
 
+        hosts = self.machines.hosts
+        # A machine entry naming no host fails here, before anything starts.
+        self._network_by_machine({str(h): range(0) for h in hosts})
         keys = RunKeys.generate()
         self.keys_file = self.run_dir / "run.keys"
         keys.save(self.keys_file)
@@ -219,6 +223,14 @@ class MachinesRun(LocalRun):
                        "fedemu": reports[h]["fedemu"], "torch": reports[h].get("torch"),
                        "python": reports[h]["python"]} for h, indices in assignment.items()],
         }
+        by_machine = self._network_by_machine(
+            {str(h): range(clients[ix[0]].start, clients[ix[-1]].stop) for h, ix in assignment.items()})
+        if by_machine:
+            self._set_links(port, by_machine)
+            spec, _ = configuration.network_parts(self.config)
+            profiles = {host: name for name, host in spec.assign if isinstance(host, str)}  # the last entry wins
+            for entry in record["hosts"]:
+                entry["profile"] = profiles.get(entry["host"])
         (self.run_dir / "machines.json").write_text(json.dumps(record, indent=1) + "\n")
         for entry in record["hosts"]:
             self.echo(f"host {entry['host']}: worker nodes {entry['workers']}, clients "
@@ -235,6 +247,22 @@ class MachinesRun(LocalRun):
             remote.start(self.machines.ssh(host, [self.machines.python_for(host), "-m", "fedemu.launch",
                                                   "host-agent"]), bundle)
             self.remotes.append(remote)
+
+    def _set_links(self, port: int, by_machine: list[tuple[str, frozenset[int]]]) -> None:
+        """Give each host's clients its profile on the running broker, before any client
+        exists. Every assign entry is applied again in config order, so a later entry
+        still wins over an earlier one, as in a local run."""
+        from fedemu.node import Node
+        from fedemu.node.security import RunKeys
+
+        node = Node("launcher", f"tcp://127.0.0.1:{port}", keys=RunKeys.load(self.keys_file)).start()
+        try:
+            for profile, clients in by_machine:
+                node.set_links(sorted(clients), profile=profile)
+        except Exception as exc:
+            raise LaunchError(f"could not give the hosts' clients their link profiles: {exc}") from None
+        finally:
+            node.close("links set")
 
     def preflight(self, broker_port: int) -> dict[Host, dict]:
         data = self.config["data"]

@@ -427,7 +427,9 @@ class NetworkSpec:
     server_up_bandwidth: float = math.inf
     server_down_bandwidth: float = math.inf
     profiles: dict[str, tuple[LinkProfile, LinkProfile]] = field(default_factory=dict)
-    assign: list[tuple[str, frozenset[int]]] = field(default_factory=list)
+    # (profile, clients) in config order; clients is a host's name (a str) for an entry
+    # given by ``machine``, until resolve_machines() knows which clients that host runs.
+    assign: list[tuple[str, frozenset[int] | str]] = field(default_factory=list)
     events: list[ScriptedEvent] = field(default_factory=list)
     availability: Availability | None = None
     raw: dict = field(default_factory=dict)  # the section as given, to hand to the broker
@@ -458,9 +460,16 @@ class NetworkSpec:
         assign = []
         for i, entry in enumerate(section.get("assign", [])):
             where = f"network.assign[{i}]"
-            if not isinstance(entry, dict) or set(entry) - {"profile", "clients", "fraction"}:
-                raise LinkConfigError(f"{where} must have profile and clients (ids) or fraction")
+            if not isinstance(entry, dict) or set(entry) - {"profile", "clients", "fraction", "machine"}:
+                raise LinkConfigError(f"{where} must have profile and clients (ids), fraction or machine")
             name = known(entry.get("profile"), f"{where}.profile")
+            if "machine" in entry:
+                machine = entry["machine"]
+                if len(entry) != 2 or not isinstance(machine, str) or not machine:
+                    raise LinkConfigError(f"{where}: machine = {machine!r} must name one host of --machines "
+                                          "(as given there), with no clients or fraction beside it")
+                assign.append((name, machine))
+                continue
             assign.append((name, _group(entry, where, num_clients, seed, i, required=True)))
         events = []
         for i, entry in enumerate(section.get("events", [])):
@@ -488,13 +497,32 @@ class NetworkSpec:
                     for name in used for p in self.profiles[name])
         return lossy or self.availability is not None
 
+    @property
+    def machines(self) -> list[str]:
+        """Hosts named by ``machine`` entries of network.assign."""
+        return [clients for _, clients in self.assign if isinstance(clients, str)]
+
+    def resolve_machines(self, clients_of: dict[str, range]) -> list[tuple[str, frozenset[int]]]:
+        """network.assign with every ``machine`` entry replaced by the clients that host
+        runs, in config order (a later entry wins, as in build())."""
+        resolved = []
+        for i, (name, clients) in enumerate(self.assign):
+            if isinstance(clients, str):
+                if clients not in clients_of:
+                    raise LinkConfigError(f"network.assign[{i}].machine = {clients!r} is not a host of this run; "
+                                          f"the hosts are {', '.join(clients_of) or 'none (a local run)'}")
+                clients = frozenset(clients_of[clients])
+            resolved.append((name, clients))
+        return resolved
+
     def build(self) -> Network:
         up, down = self.profiles[self.default_profile]
         network = Network(self.seed, server_up_bandwidth=self.server_up_bandwidth,
                           server_down_bandwidth=self.server_down_bandwidth)
         network.default = {UP: up, DOWN: down}
         for name, clients in self.assign:
-            self.apply(network, name, clients)
+            if not isinstance(clients, str):  # a host's clients arrive with set_links once placed
+                self.apply(network, name, clients)
         network.availability = self.availability
         return network
 

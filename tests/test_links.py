@@ -166,3 +166,31 @@ def test_profile_validation_names_the_key():
     with pytest.raises(LinkConfigError, match="jitter_distribution"):
         LinkProfile.from_dict({"jitter_distribution": "gamma"}, "lte")
     assert LinkProfile.from_dict({"bandwidth": "8Mbit", "latency_ms": 60}).bandwidth == 1e6
+
+
+def test_machine_entries_resolve_to_each_hosts_clients_in_config_order():
+    from fedemu.node.links import NetworkSpec
+
+    spec = NetworkSpec.from_config({"assign": [
+        {"profile": "lte", "machine": "h2"},
+        {"profile": "3g", "clients": "60-64"},  # later: wins over h2's lte for these five
+        {"profile": "cable", "machine": "alice@h3:2222"},
+    ]}, num_clients=100, run_seed=1)
+    assert spec.machines == ["h2", "alice@h3:2222"]
+    network = spec.build()  # until placement, the hosts' clients keep the default
+    assert network.profile(55, UP) == network.profile(0, UP) and network.profile(60, UP) == spec.profiles["3g"][0]
+    resolved = spec.resolve_machines({"h1": range(0, 34), "h2": range(34, 67), "alice@h3:2222": range(67, 100)})
+    assert resolved == [("lte", frozenset(range(34, 67))), ("3g", frozenset(range(60, 65))),
+                        ("cable", frozenset(range(67, 100)))]
+    with pytest.raises(LinkConfigError, match=r"network.assign\[0\].machine = 'h2' is not a host of this run; "
+                                              r"the hosts are none \(a local run\)"):
+        spec.resolve_machines({})
+
+
+def test_a_machine_entry_stands_alone():
+    from fedemu.node.links import NetworkSpec
+
+    with pytest.raises(LinkConfigError, match=r"network.assign\[0\]: machine = 'h2' must name one host"):
+        NetworkSpec.from_config({"assign": [{"profile": "lte", "machine": "h2", "clients": "0-9"}]}, 100, 1)
+    with pytest.raises(LinkConfigError, match=r"network.assign\[0\] must have profile and clients"):
+        NetworkSpec.from_config({"assign": [{"profile": "lte", "host": "h2"}]}, 100, 1)

@@ -67,6 +67,18 @@ def test_workers_are_placed_by_slots_in_host_order():
     assert assign_workers([a, b, c], {a: 8, b: 4, c: 1}, 1) == {a: [0, 1], b: [2], c: [3]}
 
 
+def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_path):
+    from fedemu.launch import config as configuration
+    from fedemu.launch.local import LaunchError, LocalRun
+
+    config = configuration.load(None)
+    config["network"]["assign"] = [{"profile": "lte", "machine": "h2"}]
+    run = LocalRun(config, tmp_path, 1, echo=lambda line: None)
+    with pytest.raises(LaunchError, match=r"network.assign\[0\].machine = 'h2' is not a host of this run"):
+        run.start()
+    assert run.procs == {}
+
+
 # --- real hosts ------------------------------------------------------------------------
 
 _why_not = unavailable_reason()
@@ -258,3 +270,38 @@ C = 0.5
     assert sorted(placed.values()) == [["h1"], ["h2"]]  # one host each: they ran side by side
     assert_hosts_left_clean(hosts)
     assert not local_processes_of(out)
+
+
+@needs_hosts
+@pytest.mark.slow
+def test_a_machine_link_entry_gives_that_hosts_clients_its_profile(hosts, tmp_path):
+    from .test_sweep import tiny_mnist
+
+    tiny_mnist(tmp_path / "cache")
+    config = tmp_path / "cut.toml"
+    config.write_text(f"""
+[data]
+clients = 4
+cache_dir = "{tmp_path / 'cache'}"
+[algorithm]
+C = 1.0
+deadline_s = 2.0
+[network.profiles.cut]
+up = {{ loss = 1.0 }}
+[[network.assign]]
+profile = "cut"
+machine = "h2"
+""")
+    run_dir = tmp_path / "run"
+    proc = launch(hosts, run_dir, "run.rounds=2", extra=(str(config),))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    record = json.loads((run_dir / "machines.json").read_text())
+    assert {h["host"]: (h["clients"], h["profile"]) for h in record["hosts"]} == {
+        "h1": ([0, 1], None), "h2": ([2, 3], "cut")}
+    rounds = [e for e in read_events(run_dir) if e["event"] == "round"]
+    assert len(rounds) == 2
+    for e in rounds:  # every upload from h2 is lost on its link; h1's arrive
+        assert e["selected"] == [0, 1, 2, 3] and e["answered"] == [0, 1]
+        assert e["stragglers"] + e["dropped"] and sorted(e["stragglers"] + e["dropped"]) == [2, 3]
+    assert_hosts_left_clean(hosts)
