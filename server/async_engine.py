@@ -16,6 +16,13 @@ With [compression], every rule's clients send the delta from the last model they
 (the n-th, ``Upload.base``), encoded with the seed of (run seed, n, client). FedBuff merges
 the decoded delta; CO-OP and FedAsync merge weights, so the server keeps the model it last
 sent each client and adds it back. A sketch is unbiased in the delta, hence in the weights.
+
+Messages can be lost (link loss, a client offline). Each client request carries an id and
+the client resends it until the reply with that id comes (``retry_s``); the server answers
+a request it has answered already with the same reply, without merging or counting it
+again, and resends AsyncStart to a client it has not heard from. Models are numbered by the
+server (``sent``) and the number travels with the model, so both sides agree on an
+upload's base whatever was lost. Each evaluation event counts the repeats the server saw.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import time
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess
+from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
@@ -131,6 +138,15 @@ class AsyncEngine(Engine):
         # never changed in place, so clients holding the same version share one array).
         self.bases: dict[int, np.ndarray] = {}
         self._keep_bases = self.codec is not None and not isinstance(rule, FedBuff)
+        # Exactly once: the id of the last request answered per client, and the ModelReply
+        # it got (None for an age request, which is answered afresh), to send again.
+        self.answered: dict[int, int] = {}
+        self.replies: dict[int, ModelReply | None] = {}
+        # Clients not heard from since their AsyncStart: that message, and when to resend it.
+        self.unheard: dict[int, tuple[AsyncStart, float]] = {}
+        self.retry_wall_s = settings.retry_s / settings.time_scale
+        self.duplicates = 0  # repeated requests seen since the last evaluation
+        self.starts_resent = 0  # AsyncStarts resent since the last evaluation
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         for k in sorted(self.live):
@@ -147,11 +163,27 @@ class AsyncEngine(Engine):
         b_l, b_u = (self.rule.b_l, self.rule.b_u) if isinstance(self.rule, Coop) else (0, 0)
         self.ages[k] = self.rule.client_age_start
         self.doing[k] = "training"
-        self.sent.pop(k, None)  # a restarted client counts its models from zero again
-        self._send_model(proc, k, self.pids[k], AsyncStart(
+        self.sent.pop(k, None)  # a restarted client is a new process: models and requests count anew
+        self.answered[k] = 0
+        self.replies.pop(k, None)
+        start = AsyncStart(
             rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
-            compression=s.compression if self.codec else None))
+            compression=s.compression if self.codec else None, retry_s=s.retry_s)
+        self._send_model(proc, k, self.pids[k], start)
+        self.unheard[k] = (start, time.monotonic() + self.retry_wall_s)
+
+    def _resend_starts(self, proc: ThreadProcess) -> float:
+        """Resend AsyncStart (the same message: same model number) to every client not
+        heard from within the retry interval; returns when the next one is due."""
+        now = time.monotonic()
+        for k, (start, due) in list(self.unheard.items()):
+            if due <= now:
+                proc.send(self.pids[k], start)
+                self.unheard[k] = (start, now + self.retry_wall_s)
+                self.starts_resent += 1
+                log.info("client %d not heard from since its start: AsyncStart resent", k)
+        return min((due for _, due in self.unheard.values()), default=math.inf)
 
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -159,13 +191,17 @@ class AsyncEngine(Engine):
         last_progress = time.monotonic()
         period_uploads: list[int] = []
         while True:
+            next_start = self._resend_starts(proc)
             msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
-                                last_progress + s.progress_timeout_s - time.monotonic())
+                                min(last_progress + s.progress_timeout_s, next_start) - time.monotonic())
             if msg is TIMEOUT:
-                self._stall(evaluation)
-                last_progress = time.monotonic()
+                if time.monotonic() >= last_progress + s.progress_timeout_s:
+                    self._stall(evaluation)
+                    last_progress = time.monotonic()
                 continue
             body = msg.body
+            if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
+                continue
             if isinstance(body, WorkerReady):
                 for k in self._rejoin(proc, body, evaluation):
                     self._start_client(proc, k)
@@ -173,22 +209,24 @@ class AsyncEngine(Engine):
                 self._client_down(body, evaluation)
                 self.ages.pop(self.client_of.get(body.pid), None)
                 self.bases.pop(self.client_of.get(body.pid), None)
+                self.unheard.pop(self.client_of.get(body.pid), None)
+                self.replies.pop(self.client_of.get(body.pid), None)
                 if not self.live:
                     cause = "every client is gone: nothing can upload again"
                     self.runlog.event("deadlock", round=evaluation, cause=cause)
                     return "failed", f"deadlock: {cause}"
             elif isinstance(body, AgeRequest):
                 self.doing[body.client] = "asked the age"
-                proc.send(msg.sender, AgeReply(self.age))
+                proc.send(msg.sender, AgeReply(self.age, body.request))
             elif isinstance(body, FetchRequest):
                 self.ages[body.client] = self.age
                 self.doing[body.client] = "fetched (outdated)"
-                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
+                self._reply_model(proc, msg)
             elif body.encoded is not None and not self._decode(body, evaluation):
                 # The update is lost, not the client: give it the model to go on from.
                 self.ages[body.client] = self.age
                 self.doing[body.client] = "sent an undecodable update"
-                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
+                self._reply_model(proc, msg)
             else:
                 self.totals.uploads += 1
                 period_uploads.append(body.client)
@@ -198,7 +236,7 @@ class AsyncEngine(Engine):
                 last_progress = time.monotonic()
                 self.ages[body.client] = self.age
                 self.doing[body.client] = f"uploaded (staleness {staleness})"
-                self._send_model(proc, body.client, msg.sender, ModelReply(self.weights, self.age))
+                self._reply_model(proc, msg)
                 if self.totals.uploads - uploads_at_eval >= s.eval_every:
                     uploads_at_eval = self.totals.uploads
                     evaluation += 1
@@ -219,8 +257,37 @@ class AsyncEngine(Engine):
                                   age_before=self.age, age_after=new_age)
                 self.age = new_age
 
+    def _new_request(self, proc: ThreadProcess, msg: Message) -> bool:
+        """Whether a request is new; a repeat of the last one answered gets that answer
+        again (a stored ModelReply, or the age now), an older one nothing."""
+        body, k = msg.body, msg.body.client
+        if self.pids.get(k) != msg.sender:
+            log.info("ignoring %s from %s: client %d is now %s", type(body).__name__, msg.sender, k, self.pids.get(k))
+            return False
+        self.unheard.pop(k, None)
+        last = self.answered.get(k, 0)
+        if body.request > last:
+            self.answered[k], self.replies[k] = body.request, None
+            return True
+        self.duplicates += 1
+        self.doing[k] = f"resent {type(body).__name__} {body.request}"
+        if body.request == last:
+            reply = self.replies.get(k)
+            if reply is not None:
+                proc.send(msg.sender, reply)
+            elif isinstance(body, AgeRequest):
+                proc.send(msg.sender, AgeReply(self.age, body.request))
+        return False
+
+    def _reply_model(self, proc: ThreadProcess, msg: Message) -> None:
+        """Answer a fetch or upload with the global model, kept for a repeat of the request."""
+        k = msg.body.client
+        self.replies[k] = reply = ModelReply(self.weights, self.age, request=msg.body.request)
+        self._send_model(proc, k, msg.sender, reply)
+
     def _send_model(self, proc: ThreadProcess, k: int, pid: Pid, message: AsyncStart | ModelReply) -> None:
         self.sent[k] = self.sent.get(k, 0) + 1
+        message.model = self.sent[k]
         if self._keep_bases:
             self.bases[k] = message.weights
         proc.send(pid, message)
@@ -267,7 +334,9 @@ class AsyncEngine(Engine):
             uploaders=sorted(set(uploaders)), **traffic,
             staleness_min=min(staleness, default=None), staleness_max=max(staleness, default=None),
             offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
+            duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
         )
+        self.duplicates = self.starts_resent = 0
         return self._finished(evaluation, accuracy)
 
     def _stall(self, evaluation: int) -> None:
@@ -277,7 +346,8 @@ class AsyncEngine(Engine):
         for k in sorted(self.live):
             by_state.setdefault(self.doing.get(k, "unknown"), []).append(k)
         self.runlog.event("stall", round=evaluation, waiting_s=self.settings.progress_timeout_s,
-                          server="waiting for an age request, fetch or upload", clients=by_state, age=self.age)
+                          server="waiting for an age request, fetch or upload", clients=by_state, age=self.age,
+                          duplicate_requests=self.duplicates, starts_resent=self.starts_resent)
         log.warning("no progress for %.0fs; clients by last known state: %s",
                     self.settings.progress_timeout_s, {s: len(v) for s, v in by_state.items()})
 

@@ -69,6 +69,7 @@ class Settings:
     compression: dict | None = None  # updates travel encoded (CompressionSpec.to_dict())
     over_select: int = 0  # extra clients selected beyond m; the first m replies count
     on_quorum_missed: str = "skip"  # or "extend_once"
+    retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
 
     @property
     def per_round(self) -> int:

@@ -548,7 +548,7 @@ def test_coop_keeps_one_mask_per_base_across_local_updates(tmp_path):
     assert isinstance(out.sent[-1], AgeRequest)
     client.handle(out, Message(CLIENT, TrainAgain()))
     assert client._trainings == 2 and client._encoded is None  # re-encoded at upload time
-    client.handle(out, Message(SERVER, AgeReply(age=engine.age)))  # a - a_k = b_l: upload
+    client.handle(out, Message(SERVER, AgeReply(engine.age, out.sent[-1].request)))  # a - a_k = b_l: upload
     upload = out.sent[-1]
     assert isinstance(upload, Upload) and upload.base == 1 and not upload.is_delta
     seed = update_seed(RUN_SEED, 1, 0)

@@ -17,8 +17,8 @@ from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 from . import models, training
 from .data import Dataset
 from .protocol import (
-    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, TrainAgain,
-    TrainReply, TrainRequest, Upload, WorkerReady, client_name,
+    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, RetryDue,
+    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name,
 )
 from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .stragglers import StragglerSpec
@@ -89,7 +89,11 @@ class Client(Behaviour):
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
         self._age = 0
         self._base: np.ndarray | None = None  # the last model received: deltas are taken from it
-        self._bases = 0  # models received from the server; names the base of an upload
+        self._bases = 0  # the server's number of that model; names the base of an upload
+        self._request_id = 0  # ids of this process's requests, increasing
+        self._pending: AgeRequest | FetchRequest | Upload | None = None  # the request awaiting its reply
+        self.retries = 0  # requests resent for want of a reply
+        self.stale_replies = 0  # replies ignored: duplicates, or answers to an earlier request
         self._updates = 0  # local updates run in asynchronous mode (its "round" counter)
         self._trainings = 0  # local updates since the base (CO-OP: more than one when over-active)
         self._encoded: dict | None = None  # a structured training's exact encoding of the delta
@@ -100,16 +104,23 @@ class Client(Behaviour):
         if isinstance(body, TrainRequest):
             self._train_request(proc, msg.sender, body)
         elif isinstance(body, AsyncStart):
+            if self._async is not None:  # the server resends it until it hears from us
+                log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
+                return
             self._async, self._server = body, msg.sender
-            self._new_base(body.weights, body.age)
+            self._new_base(body.weights, body.age, body.model)
             self._train_async(proc)
         elif isinstance(body, TrainAgain) and self._async is not None:
             self._train_async(proc)
+        elif isinstance(body, RetryDue) and self._async is not None:
+            self._retry(proc, body.request)
         elif isinstance(body, AgeReply) and self._async is not None:
-            self._coop_decide(proc, body.age)
+            if self._answers(body.request, AgeRequest, body):
+                self._coop_decide(proc, body.age)
         elif isinstance(body, ModelReply) and self._async is not None:
-            self._new_base(body.weights, body.age)
-            self._train_async(proc)
+            if self._answers(body.request, (FetchRequest, Upload), body):
+                self._new_base(body.weights, body.age, body.model)
+                self._train_async(proc)
         elif isinstance(body, AsyncStop):
             proc.stop()
         else:
@@ -166,10 +177,44 @@ class Client(Behaviour):
 
     # --- asynchronous rules ---------------------------------------------------------------------
 
-    def _new_base(self, weights: np.ndarray, age: int) -> None:
+    def _new_base(self, weights: np.ndarray, age: int, model: int) -> None:
         self._weights, self._age, self._base = weights.copy(), age, weights
-        self._bases += 1
+        self._bases = model  # the server's number, not a count: a lost reply cannot skew it
         self._trainings, self._encoded = 0, None
+
+    # --- requests: resent until answered; the server answers a repeat without acting twice ---
+
+    def _request(self, proc: BehaviourProcess, request: AgeRequest | FetchRequest | Upload, hold: float = 0.0) -> None:
+        self._request_id += 1
+        request.request = self._request_id
+        self._pending = request
+        proc.send_after(hold, self._server, request)
+        self._arm(proc, hold)
+
+    def _arm(self, proc: BehaviourProcess, hold: float) -> None:
+        if self._async.retry_s > 0:
+            proc.send_after(hold + self._async.retry_s / self.time_scale, proc.pid, RetryDue(self._pending.request))
+
+    def _retry(self, proc: BehaviourProcess, request: int) -> None:
+        pending = self._pending
+        if pending is None or pending.request != request:
+            return  # answered in time
+        self.retries += 1
+        log.info("client %d resends %s %d: no reply within %gs (emulated); %d resends so far",
+                 self.client_id, type(pending).__name__, request, self._async.retry_s, self.retries)
+        proc.send(self._server, pending)
+        self._arm(proc, 0.0)
+
+    def _answers(self, request: int, kinds: type | tuple, reply: object) -> bool:
+        """Whether ``reply`` answers the pending request; if so it is no longer pending."""
+        pending = self._pending
+        if pending is None or pending.request != request or not isinstance(pending, kinds):
+            self.stale_replies += 1
+            log.debug("client %d ignores %s to request %d (pending: %s)", self.client_id, type(reply).__name__,
+                      request, pending and pending.request)
+            return False
+        self._pending = None
+        return True
 
     def _codec(self, model: torch.nn.Module) -> UpdateCodec | None:
         spec = self._async.compression
@@ -209,11 +254,11 @@ class Client(Behaviour):
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
         if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
             compute_s = time.perf_counter() - started
-            proc.send_after(self._hold(compute_s, slowdown), self._server, AgeRequest(self.client_id, self._age))
+            self._request(proc, AgeRequest(self.client_id, self._age), self._hold(compute_s, slowdown))
             return
         upload = self._upload(model, 0.0, slowdown)
         upload.compute_s = compute_s = time.perf_counter() - started  # encoding is the client's work too
-        proc.send_after(self._hold(compute_s, slowdown), self._server, upload)
+        self._request(proc, upload, self._hold(compute_s, slowdown))
 
     def _upload(self, model: torch.nn.Module, compute_s: float, slowdown: float = 1.0) -> Upload:
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
@@ -235,11 +280,11 @@ class Client(Behaviour):
     def _coop_decide(self, proc: BehaviourProcess, age: int) -> None:
         start = self._async
         if age - self._age > start.b_u:  # outdated: reconcile with the global model
-            proc.send(self._server, FetchRequest(self.client_id))
+            self._request(proc, FetchRequest(self.client_id))
         elif age - self._age < start.b_l:  # over-active: keep training
             proc.send(proc.pid, TrainAgain())
         else:
-            proc.send(self._server, self._upload(self._cache.get(self.model_name), compute_s=0.0))
+            self._request(proc, self._upload(self._cache.get(self.model_name), compute_s=0.0))
 
 
 def warm_up(dataset: Dataset, indices: np.ndarray, model_name: str) -> float:

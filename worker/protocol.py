@@ -42,6 +42,12 @@ class TrainReply:
 
 
 # --- asynchronous rules (CO-OP, FedAsync, FedBuff) -------------------------------------------
+#
+# Request/reply, exactly once: each request (AgeRequest, FetchRequest, Upload) carries the
+# client's next request id, and the reply (AgeReply, ModelReply) echoes it. A client that
+# gets no reply within AsyncStart.retry_s resends the same request; the server answers a
+# repeat with its stored reply instead of merging again. Models are numbered by the
+# server (``model``): the client never has to count what it received.
 
 
 @message
@@ -59,6 +65,8 @@ class AsyncStart:
     b_l: int = 0  # CO-OP age filter
     b_u: int = 0
     compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
+    model: int = 0  # the server's number for this model (its count of models sent to this client)
+    retry_s: float = 0.0  # emulated seconds without a reply before a request is resent; 0: never
 
 
 @message
@@ -67,11 +75,13 @@ class AgeRequest:
 
     client: int
     age: int  # a_k, for the server's books
+    request: int = 0  # the client's request id, echoed by the reply
 
 
 @message
 class AgeReply:
     age: int
+    request: int = 0  # the id of the AgeRequest this answers
 
 
 @message
@@ -79,6 +89,7 @@ class FetchRequest:
     """CO-OP: an outdated client fetches the global model."""
 
     client: int
+    request: int = 0
 
 
 @message
@@ -87,6 +98,8 @@ class ModelReply:
 
     weights: np.ndarray
     age: int
+    request: int = 0  # the id of the FetchRequest or Upload this answers
+    model: int = 0  # the server's number for this model, as in AsyncStart
 
 
 @message
@@ -99,18 +112,26 @@ class Upload:
     train_loss: float
     compute_s: float
     slowdown: float = 1.0
-    # Which model from the server this update was trained from: the client's count of
-    # models received (AsyncStart is 1). It names the base an encoded delta is relative
+    # Which model from the server this update was trained from: the `model` number of the
+    # AsyncStart or ModelReply it came in. It names the base an encoded delta is relative
     # to, and seeds its compression as the round does in FedAvg.
     base: int = 0
     # With compression: the delta from that base, encoded. The server decodes it into
     # `update` (the delta if is_delta, else base model + delta) before merging.
     encoded: dict | None = None
+    request: int = 0
 
 
 @message
 class TrainAgain:
     """A client's note to itself: run another local update (CO-OP over-active)."""
+
+
+@message
+class RetryDue:
+    """A client's timer: if request ``request`` is still unanswered, resend it."""
+
+    request: int
 
 
 @message

@@ -1,0 +1,305 @@
+"""Exactly-once request/reply for the asynchronous rules: clients resend unanswered
+requests, the server answers a repeat with its stored reply and never merges twice,
+and models are numbered by the server so compressed uploads survive lost replies.
+
+In-process tests drive the real AsyncEngine and Client with scripted or lossy message
+passing; the end-to-end tests run CO-OP under an on/off drop-out and FedBuff with
+sketched uploads under message loss, through a real broker."""
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from fedemu.launch import config as configuration
+from fedemu.node import TIMEOUT, Message, Pid, wire
+from fedemu.server.async_engine import AsyncEngine, Coop, FedAsync
+from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
+from fedemu.server.runlog import RunLog, read_events
+from fedemu.worker.client import Client, _ModelCache
+from fedemu.worker.compression import CompressionSpec
+from fedemu.worker.data import Dataset
+from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, Upload
+
+from .test_compression import RUN_SEED, SERVER, _async_pair, _data
+from .test_launch import launch
+from .test_rounds import WAIT, ScriptedProc
+from .test_sweep import tiny_mnist
+
+CLIENT_0, CLIENT_1 = Pid("worker", 0), Pid("worker", 1)
+
+
+def engine(tmp_path, rule, clients=2, **settings) -> AsyncEngine:
+    eng = AsyncEngine(Settings(**{"clients": clients, "seed": RUN_SEED, "rounds": 1, "eval_every": 100,
+                                  "progress_timeout_s": 60.0, **settings}), rule, "2nn", None, RunLog(tmp_path),
+                      lr=0.1)
+    eng.pids = {k: Pid("worker", k) for k in range(clients)}
+    eng.client_of = {pid: k for k, pid in eng.pids.items()}
+    eng.live = set(eng.pids)
+    return eng
+
+
+def weights_upload(eng: AsyncEngine, client: int, request: int, value: float) -> Message:
+    body = Upload(client=client, update=np.full_like(eng.weights, value), is_delta=False, age=0,
+                  num_samples=10, train_loss=0.0, compute_s=0.0, request=request)
+    return Message(eng.pids[client], body)
+
+
+def serve(eng: AsyncEngine, proc) -> None:
+    with pytest.raises(_Stopped):
+        eng.main(proc)
+
+
+def stop() -> Message:
+    return Message(SERVER, Stop("interrupted", "end of script"))
+
+
+def sent_to(proc: ScriptedProc, pid: Pid, kind: type) -> list:
+    return [body for to, body in proc.sent if to == pid and isinstance(body, kind)]
+
+
+def test_retry_s_is_checked_and_named():
+    assert configuration.load(None)["algorithm"]["retry_s"] == 120.0
+    with pytest.raises(configuration.ConfigError, match=r"algorithm\.retry_s = 0\.0 is out of range; it must be > 0"):
+        configuration.load(None, ["algorithm.retry_s=0"])
+
+
+# --- the server ------------------------------------------------------------------------------
+
+
+def test_a_repeated_upload_gets_the_stored_reply_and_is_merged_once(tmp_path):
+    eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4))
+    first = weights_upload(eng, 0, request=1, value=1.0)
+    proc = ScriptedProc(first, weights_upload(eng, 0, 1, 1.0),  # the reply was lost: the same request again
+                        weights_upload(eng, 0, 2, 3.0),
+                        weights_upload(eng, 0, 1, 1.0),  # a stale copy, after request 2 was answered
+                        stop())
+    serve(eng, proc)
+    assert eng.totals.uploads == 2 and eng.age == 2  # requests 1 and 2, each merged once
+    replies = sent_to(proc, CLIENT_0, ModelReply)
+    assert [(r.request, r.model) for r in replies] == [(1, 2), (1, 2), (2, 3)]  # AsyncStart was model 1
+    assert replies[1] is replies[0]  # the very reply, not the model as it is now
+    assert eng.sent[0] == 3 and eng.duplicates == 2
+    assert eng.doing[0] == "resent Upload 1"
+
+
+def test_a_repeated_age_request_is_answered_and_a_fetch_repeat_gets_the_same_model(tmp_path):
+    eng = engine(tmp_path, Coop(b_l=1, b_u=3))
+    ask = AgeRequest(client=1, age=0, request=1)
+    fetch = FetchRequest(client=1, request=2)
+    proc = ScriptedProc(Message(CLIENT_1, ask), Message(CLIENT_1, ask), Message(CLIENT_1, fetch),
+                        Message(CLIENT_1, fetch), stop())
+    serve(eng, proc)
+    assert [(r.age, r.request) for r in sent_to(proc, CLIENT_1, AgeReply)] == [(1, 1), (1, 1)]
+    fetched = sent_to(proc, CLIENT_1, ModelReply)
+    assert len(fetched) == 2 and fetched[0] is fetched[1] and fetched[0].model == eng.sent[1] == 2
+    assert eng.duplicates == 2
+
+
+def test_requests_from_an_earlier_process_of_a_restarted_client_are_ignored(tmp_path):
+    eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4))
+    old = weights_upload(eng, 0, 1, 1.0)
+    proc = ScriptedProc(Message(Pid("worker", 99), old.body), stop())
+    serve(eng, proc)
+    assert eng.totals.uploads == 0 and sent_to(proc, Pid("worker", 99), ModelReply) == []
+
+
+def test_asyncstart_is_resent_to_a_client_not_heard_from_and_no_longer_once_it_is(tmp_path):
+    eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4), retry_s=0.05)
+    proc = ScriptedProc(WAIT, WAIT, weights_upload(eng, 0, 1, 1.0), WAIT, WAIT, stop())
+    serve(eng, proc)
+    order = [(to, type(body)) for to, body in proc.sent]
+    heard = order.index((CLIENT_0, ModelReply))
+    assert (CLIENT_0, AsyncStart) not in order[heard:]  # client 0 was heard from: no more resends
+    assert order[:heard].count((CLIENT_0, AsyncStart)) >= 2
+    starts = sent_to(proc, CLIENT_1, AsyncStart)
+    assert len(starts) > order[:heard].count((CLIENT_1, AsyncStart)) >= 2  # client 1 never answered
+    assert all(s is starts[0] for s in starts) and starts[0].model == 1 and eng.sent[1] == 1
+    assert starts[0].retry_s == 0.05
+    assert eng.starts_resent == [t for _, t in order].count(AsyncStart) - 2
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+def test_the_client_takes_only_the_reply_to_its_pending_request(tmp_path):
+    engine_, client, out = _async_pair(tmp_path, Coop(b_l=1, b_u=4), None)
+    ask = out.sent[-1]
+    assert isinstance(ask, AgeRequest) and ask.request == 1 and client._bases == 1
+    model = engine_.weights
+
+    def deliver(body):
+        before = len(out.sent)
+        client.handle(out, Message(SERVER, body))
+        return out.sent[before:]
+
+    assert deliver(AgeReply(engine_.age, request=0)) == []  # not an answer to request 1
+    assert deliver(ModelReply(model, 1, request=1, model=9)) == []  # request 1 asked the age, not a model
+    upload = deliver(AgeReply(engine_.age, request=1))  # a - a_k = 1 = b_l: upload
+    assert [type(b) for b in upload] == [Upload] and upload[0].request == 2 and upload[0].base == 1
+    assert deliver(AgeReply(engine_.age, request=1)) == []  # a duplicate of the reply taken
+    assert deliver(ModelReply(model, 2, request=1, model=5)) == []  # stale
+    assert client._bases == 1
+    trained = deliver(ModelReply(model, 2, request=2, model=7))
+    assert [type(b) for b in trained] == [AgeRequest] and trained[0].request == 3
+    assert client._bases == 7  # the server's number, whatever the client received before
+    assert deliver(ModelReply(model, 2, request=2, model=7)) == []  # the same reply again: no second training
+    again = AsyncStart(rule="coop", weights=model, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
+                       seed=RUN_SEED, b_l=1, b_u=4, model=1)
+    assert deliver(again) == []  # a resent AsyncStart: this process has started already
+    assert client.stale_replies == 5 and client._updates == 2 and client._bases == 7
+
+
+class LossyLoop:
+    """One AsyncEngine and its Clients in this process. Every message crosses the wire
+    codec, in order; the n-th message of a kind to or from a client is lost if
+    (kind, client, n) is in ``lose``. A client's retry timer fires after ``TIMER_STEPS``
+    more deliveries, or as soon as nothing else is in flight: later than any round trip
+    here, so every resend follows a loss, as with a well-chosen retry_s."""
+
+    TIMER_STEPS = 20
+
+    def __init__(self, eng: AsyncEngine, clients: dict[int, Client], lose=()):
+        self.eng, self.clients, self.lose = eng, clients, set(lose)
+        self.ends = {k: _ClientEnd(self, k) for k in clients}
+        self.crossed: collections.Counter = collections.Counter()
+        self.lost: list[tuple] = []
+        self.to_server: collections.deque = collections.deque()
+        self.to_clients: collections.deque = collections.deque()
+        self.timers: collections.deque = collections.deque()  # (due step, client, message)
+        self.steps = 0  # deliveries to clients so far: the clock of the timers
+        self.node = self  # the engine asks its node for the broker's counters
+        eng._traffic = self.broker_stats()
+
+    def broker_stats(self) -> dict:
+        return {**{key: 0 for key in TRAFFIC_KEYS}, "emulated_s": 0.0, "offline": []}
+
+    def cross(self, body, k: int):
+        """The body as the far end decodes it, or None if lost."""
+        key = (type(body).__name__, k)
+        self.crossed[key] += 1
+        if (*key, self.crossed[key]) in self.lose:
+            self.lost.append((*key, self.crossed[key]))
+            return None
+        return wire.decode(wire.encode(wire.USER, SERVER, SERVER, body))[1]
+
+    # the server process
+    def send(self, pid: Pid, body) -> None:
+        if (copy := self.cross(body, pid.id)) is not None:
+            self.to_clients.append((pid.id, Message(SERVER, copy)))
+
+    def receive(self, match, timeout):
+        for _ in range(10_000):
+            if self.to_server:
+                return self.to_server.popleft()
+            if self.timers and (self.timers[0][0] <= self.steps or not self.to_clients):
+                _, k, msg = self.timers.popleft()
+            elif self.to_clients:
+                k, msg = self.to_clients.popleft()
+            else:
+                time.sleep(min(timeout, 1.0))  # all quiet: only the server's own resend can help
+                return TIMEOUT
+            self.steps += 1
+            self.clients[k].handle(self.ends[k], msg)
+        raise AssertionError("the clients never stop talking")
+
+    def flush(self) -> None:
+        """Deliver what is still on its way to the clients."""
+        while self.to_clients:
+            k, msg = self.to_clients.popleft()
+            self.clients[k].handle(self.ends[k], msg)
+
+
+class _ClientEnd:
+    def __init__(self, loop: LossyLoop, k: int):
+        self.loop, self.k, self.pid = loop, k, Pid("worker", k)
+
+    def send(self, dst, body) -> None:
+        if dst == self.pid:
+            self.loop.to_clients.append((self.k, Message(self.pid, body)))
+        elif (copy := self.loop.cross(body, self.k)) is not None:
+            self.loop.to_server.append(Message(self.pid, copy))
+
+    def send_after(self, delay, dst, body) -> None:
+        if dst == self.pid:
+            self.loop.timers.append((self.loop.steps + self.loop.TIMER_STEPS, self.k, Message(self.pid, body)))
+        else:
+            self.send(dst, body)
+
+    def stop(self) -> None:
+        pass
+
+
+def test_lost_messages_are_resent_merged_once_and_compressed_bases_stay_known(tmp_path):
+    """CO-OP with sketched uploads; the first AsyncStart to client 1, an age request and
+    an age reply, an upload and the reply to an upload are lost. Before retries, any of
+    these left its client waiting for ever; before the server numbered models, the lost
+    ModelReply made every later upload of client 0 undecodable."""
+    spec = CompressionSpec(subsample=0.5, rotate=True, bits=8).to_dict()
+    eng = engine(tmp_path, Coop(b_l=1, b_u=2), rounds=4, eval_every=2, compression=spec, retry_s=0.2)
+    images, labels = _data(40)
+    dataset = Dataset("fake", images, labels, images, labels, 10)
+    eng.dataset = dataset
+    clients = {k: Client(k, np.arange(20 * k, 20 * k + 20), dataset, "2nn", _ModelCache()) for k in (0, 1)}
+    lose = {("AsyncStart", 1, 1), ("AgeRequest", 0, 2), ("AgeReply", 1, 1), ("Upload", 1, 2), ("ModelReply", 0, 1)}
+    loop = LossyLoop(eng, clients, lose)
+    status, reason = eng.main(loop)
+    assert (status, reason) == ("completed", "ran 4 rounds")
+    assert sorted(loop.lost) == sorted(lose)  # every planned loss happened
+    events = read_events(tmp_path)
+    assert [e for e in events if e["event"] == "fault"] == []  # every sketched upload decoded
+    rounds = [e for e in events if e["event"] == "round"]
+    assert rounds[-1]["merges"] == rounds[-1]["total_uploads"] == eng.totals.uploads == 8
+    assert eng.age == 1 + 8  # b_l + one per merge: no upload merged twice
+    # Resent: client 0's upload whose reply was lost, client 1's age request whose reply
+    # was lost; the lost requests never arrived, so their resends are not repeats.
+    assert sum(e["duplicate_requests"] for e in rounds) == 2
+    assert sum(e["starts_resent"] for e in rounds) >= 1
+    assert clients[0].retries >= 2 and clients[1].retries >= 2
+    loop.flush()  # the last replies (and AsyncStop)
+    assert {k: c._bases for k, c in clients.items()} == eng.sent  # both sides agree on every model number
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+TINY = ["model.name=2nn", "data.clients=4", "algorithm.E=1", "algorithm.B=10", "algorithm.eval_every_uploads=4",
+        "run.rounds=1000", "run.max_uploads_per_client=5", "run.time_scale=10", "algorithm.retry_s=2",
+        "run.progress_timeout_s=20"]  # a run that hangs shows its stall events
+# Every client is offline a third of the time, for 0.5 s (wall) on average.
+COOP_ON_OFF = ["algorithm.name=coop", "algorithm.b_l=1", "algorithm.b_u=3",
+               "network.dropout.on_off.mean_up_s=10", "network.dropout.on_off.mean_down_s=5"]
+# A quarter of all messages lost, both ways: many replies among them.
+FEDBUFF_LOSSY_SKETCHED = ["algorithm.name=fedbuff", "algorithm.buffer_size=2", "network.default_profile=lossy",
+                          "network.profiles.lossy.loss=0.25", "compression.subsample=0.25",
+                          "compression.rotate=true", "compression.bits=4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("network", [COOP_ON_OFF, FEDBUFF_LOSSY_SKETCHED], ids=["coop-on-off", "fedbuff-loss"])
+def test_a_lossy_network_no_longer_stalls_the_run(tmp_path, network):
+    """Before retries, a lost message left its client waiting for ever; once all four
+    were, the run stalled and never finished. Before the server numbered models, a lost
+    ModelReply also made every later sketched upload of that client undecodable."""
+    tiny_mnist(tmp_path / "cache")
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, f"data.cache_dir='{tmp_path / 'cache'}'", *TINY, *network, workers=1)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C: the launcher stops the run's processes
+        output, _ = proc.communicate(timeout=120)
+        pytest.fail(f"the run did not finish: {[e for e in read_events(run_dir) if e['event'] == 'stall']}")
+    assert proc.returncode == 0, output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["reason"].startswith("upload budget spent")
+    assert summary["uploads"] == 20 and summary["faults"] == 0
+    rounds = [e for e in read_events(run_dir) if e["event"] == "round"]
+    assert sum(e["lost_up"] + e["lost_down"] for e in rounds) > 0  # the network did bite
+    assert "resends" in (run_dir / "logs" / "worker-0.log").read_text()
+    if network is FEDBUFF_LOSSY_SKETCHED:  # about 15 of some 60 replies are lost
+        assert sum(e["duplicate_requests"] for e in rounds) > 0
