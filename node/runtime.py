@@ -142,20 +142,79 @@ class Process:
     def spawn(self, fn: Callable, *args: Any, name: str | None = None) -> Pid:
         return self.node.spawn(fn, *args, name=name)
 
-    def send_after(self, delay: float, dst: Pid | str, body: Any) -> None:
+    def send_after(self, delay: float, dst: Pid | str, body: Any) -> TimerRef | None:
         """Send ``body`` after ``delay`` wall seconds, without blocking this process
-        (Erlang's send_after): how a client emulates a slower device."""
+        (Erlang's send_after): how a client emulates a slower device. Returns a
+        reference whose ``cancel()`` stops a send not yet made (None if sent now)."""
         if delay <= 0:
             self.send(dst, body)
-            return
-        timer = threading.Timer(delay, self.node._send, args=(USER, self.pid, dst, body))
-        timer.daemon = True
-        timer.start()
+            return None
+        return self.node._timers.add(delay, (USER, self.pid, dst, body))
 
     # --- runtime side ---------------------------------------------------------------
 
     def _deliver(self, msg: Message) -> None:
         raise NotImplementedError
+
+
+class TimerRef:
+    """A pending send_after; ``cancel()`` stops it if it has not fired (Erlang's cancel_timer)."""
+
+    __slots__ = ("due", "seq", "args", "cancelled")
+
+    def __init__(self, due: float, seq: int, args: tuple) -> None:
+        self.due, self.seq, self.args, self.cancelled = due, seq, args, False
+
+    def __lt__(self, other: TimerRef) -> bool:
+        return (self.due, self.seq) < (other.due, other.seq)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Timers:
+    """Every send_after of a node on one thread and a heap: a run keeps thousands of
+    timers pending (retries, straggler holds), far too many for a thread each."""
+
+    def __init__(self, fire: Callable[..., None], name: str) -> None:
+        self._fire = fire
+        self._name = name
+        self._heap: list[TimerRef] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, delay: float, args: tuple) -> TimerRef:
+        ref = TimerRef(time.monotonic() + delay, next(self._seq), args)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self._name}-timers", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, ref)
+            if self._heap[0] is ref:
+                self._cond.notify()
+        return ref
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0].due > time.monotonic()):
+                    self._cond.wait(self._heap[0].due - time.monotonic() if self._heap else None)
+                if self._closed:
+                    return
+                ref = heapq.heappop(self._heap)
+            if not ref.cancelled:
+                try:
+                    self._fire(*ref.args)
+                except Exception:  # one failed send must not stop every later timer
+                    log.exception("node %s: a timed send failed", self._name)
 
 
 class ThreadProcess(Process):
@@ -321,6 +380,7 @@ class Node:
         self._held: list = []
         self._held_seq = itertools.count()
         self._held_pairs: dict[tuple[Pid, int], list] = {}
+        self._timers = _Timers(self._send, name)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -369,6 +429,7 @@ class Node:
         if self._io_thread and self._io_thread is not threading.current_thread():
             self._io_thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._timers.close()
         for callback in self.on_close:
             callback(reason)
 

@@ -118,6 +118,23 @@ def test_selective_receive_leaves_other_messages_queued(node):
     assert rest == ["first", "second"]  # skipped messages keep their order
 
 
+def test_send_after_fires_in_due_order_on_one_thread_and_can_be_cancelled(node):
+    def body(proc):
+        threads_before = threading.active_count()
+        refs = [proc.send_after(0.3 + 0.001 * (1000 - i), proc.pid, i) for i in range(1000)]
+        pending = threading.active_count() - threads_before  # one timer thread, not 1000
+        for ref in refs[::2]:
+            ref.cancel()
+        got = [proc.receive(timeout=5).body for _ in range(500)]
+        return pending, [ref.due for ref in refs], got, proc.receive(timeout=0.3)
+
+    pending, dues, got, extra = run_in_process(node, body)
+    assert pending <= 1
+    assert sorted(got) == list(range(1, 1000, 2))  # the uncancelled ones, each once
+    assert got == sorted(got, key=lambda i: dues[i])  # soonest due first
+    assert extra is TIMEOUT  # nothing cancelled was sent
+
+
 def test_receive_predicate_and_timeout(node):
     def body(proc):
         proc.send(proc.pid, {"round": 1})

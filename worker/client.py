@@ -92,6 +92,7 @@ class Client(Behaviour):
         self._bases = 0  # the server's number of that model; names the base of an upload
         self._request_id = 0  # ids of this process's requests, increasing
         self._pending: AgeRequest | FetchRequest | Upload | None = None  # the request awaiting its reply
+        self._retry_timer = None  # the pending request's RetryDue, cancelled when it is answered
         self.retries = 0  # requests resent for want of a reply
         self.stale_replies = 0  # replies ignored: duplicates, or answers to an earlier request
         self._updates = 0  # local updates run in asynchronous mode (its "round" counter)
@@ -193,7 +194,8 @@ class Client(Behaviour):
 
     def _arm(self, proc: BehaviourProcess, hold: float) -> None:
         if self._async.retry_s > 0:
-            proc.send_after(hold + self._async.retry_s / self.time_scale, proc.pid, RetryDue(self._pending.request))
+            self._retry_timer = proc.send_after(hold + self._async.retry_s / self.time_scale, proc.pid,
+                                                RetryDue(self._pending.request))
 
     def _retry(self, proc: BehaviourProcess, request: int) -> None:
         pending = self._pending
@@ -214,6 +216,9 @@ class Client(Behaviour):
                       request, pending and pending.request)
             return False
         self._pending = None
+        if self._retry_timer is not None:  # answered: the node need not keep the timer
+            self._retry_timer.cancel()
+            self._retry_timer = None
         return True
 
     def _codec(self, model: torch.nn.Module) -> UpdateCodec | None:
