@@ -12,7 +12,8 @@ client answered, was lost, or the deadline passed; what arrived is aggregated if
 least the quorum did, else the model is kept (or, with ``on_quorum_missed =
 "extend_once"``, the deadline is extended once by its own length first). With
 over-selection, m + ``over_select`` clients are asked and a phase closes as soon as m
-replies are in; the rest are recorded as ``discarded``. A client that never answers
+replies are in; the rest are recorded as ``discarded`` and sent a ``Cancel``, so a
+slow device does not upload a reply nobody waits for. A client that never answers
 cannot hang a round, and a run whose live clients fall below the quorum stops with a ``deadlock``
 event that names the cause instead of waiting forever.
 """
@@ -28,7 +29,7 @@ from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess, message
 from fedemu.worker import models, training
 from fedemu.worker.data import Dataset
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
-from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest, WorkerReady, as_pid_map
+from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
 from .runlog import RunLog
 from .strategies import Strategy, selected_per_round
@@ -344,6 +345,8 @@ class RoundEngine(Engine):
             # else: a straggler's reply from an earlier round or phase, which has closed.
         if book.target and len(replies) >= book.target:
             book.discarded |= waiting  # over-selected: m answered first, these are not waited for
+            for k in sorted(waiting):
+                proc.send(self.pids[k], Cancel(round_))
         else:
             book.stragglers |= waiting
         if len(replies) < s.quorum:

@@ -69,8 +69,48 @@ def test_over_selection_keeps_the_first_m_and_discards_the_rest(tmp_path):
     replies, book = run_phase(eng, proc, [0, 1, 2, 3, 4], target=3)
     assert [r.client for r in replies] == [3, 1, 4]
     assert book.discarded == {0, 2} and book.stragglers == set()
-    assert len(proc.sent) == 5 and all(isinstance(body, TrainRequest) for _, body in proc.sent)
+    asked, told = proc.sent[:5], proc.sent[5:]
+    assert all(isinstance(body, TrainRequest) for _, body in asked)
+    # The discarded are told, so a slow device among them does not upload for nothing.
+    assert [(pid.id, type(body).__name__, body.round) for pid, body in told] == [(0, "Cancel", 1), (2, "Cancel", 1)]
     assert len(proc.script) == 1  # the fourth reply was not taken: the phase had closed
+
+
+def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
+    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.data import Dataset
+    from fedemu.worker.models import build, get_flat
+    from fedemu.worker.protocol import Cancel
+    from fedemu.worker.stragglers import StragglerSpec
+
+    class HeldSend:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Proc:
+        def __init__(self):
+            self.held = []
+
+        def send_after(self, delay, pid, body):
+            self.held.append((delay, body, HeldSend()))
+            return self.held[-1][2]
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), rng.integers(0, 10, 20)
+    client = Client(0, np.arange(20), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache(),
+                    StragglerSpec.from_config({"distribution": "fixed", "factor": 10}, 1, 0))
+    proc, server = Proc(), Pid("server", 1)
+    weights = get_flat(build("2nn"))
+    client.handle(proc, Message(server, TrainRequest(round=1, task=TRAIN, weights=weights, epochs=1, batch_size=10,
+                                                     lr=0.1, seed=1)))
+    delay, body, held = proc.held[-1]
+    assert delay > 0 and isinstance(body, TrainReply)  # a 10x slower device holds its reply back
+    client.handle(proc, Message(server, Cancel(round=2)))
+    assert not held.cancelled  # another round's cancel is not this reply's
+    client.handle(proc, Message(server, Cancel(round=1)))
+    assert held.cancelled
 
 
 def test_over_selection_short_at_the_deadline_records_stragglers_not_discards(tmp_path):

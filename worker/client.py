@@ -17,7 +17,7 @@ from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 from . import models, training
 from .data import Dataset
 from .protocol import (
-    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, RetryDue,
+    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name,
 )
 from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
@@ -92,6 +92,7 @@ class Client(Behaviour):
         self._bases = 0  # the server's number of that model; names the base of an upload
         self._request_id = 0  # ids of this process's requests, increasing
         self._pending: AgeRequest | FetchRequest | Upload | None = None  # the request awaiting its reply
+        self._held_replies: dict = {}  # round -> the held-back TrainReply's timer (a slow device)
         self._retry_timer = None  # the pending request's RetryDue, cancelled when it is answered
         self.retries = 0  # requests resent for want of a reply
         self.stale_replies = 0  # replies ignored: duplicates, or answers to an earlier request
@@ -104,6 +105,12 @@ class Client(Behaviour):
         body = msg.body
         if isinstance(body, TrainRequest):
             self._train_request(proc, msg.sender, body)
+        elif isinstance(body, Cancel):
+            held = self._held_replies.pop(body.round, None)
+            if held is not None:
+                held.cancel()
+                log.info("client %d: round %d closed without it; its held reply is not sent", self.client_id,
+                         body.round)
         elif isinstance(body, AsyncStart):
             if self._async is not None:  # the server resends it until it hears from us
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
@@ -168,7 +175,8 @@ class Client(Behaviour):
             encoded=encoded,
         )
         # A slower device: hold the reply for the extra compute time it would have taken.
-        proc.send_after(self._hold(compute_s, slowdown), sender, reply)
+        held = proc.send_after(self._hold(compute_s, slowdown), sender, reply)
+        self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
         return self.dataset.train_images[self.indices], self.dataset.train_labels[self.indices]

@@ -41,6 +41,14 @@ class TrainReply:
     encoded: dict | None = None  # TRAIN with compression: the encoded delta instead of `update`
 
 
+@message
+class Cancel:
+    """An over-selected round closed without this client's reply: a reply it still
+    holds back (a slow device) is not sent, so it costs no upload."""
+
+    round: int
+
+
 # --- asynchronous rules (CO-OP, FedAsync, FedBuff) -------------------------------------------
 #
 # Request/reply, exactly once: each request (AgeRequest, FetchRequest, Upload) carries the
