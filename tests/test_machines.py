@@ -238,24 +238,9 @@ def test_ctrl_c_stops_the_nodes_on_every_host(hosts, tmp_path):
 @needs_hosts
 @pytest.mark.slow
 def test_a_sweep_over_machines_runs_concurrent_points_on_hosts_of_their_own(hosts, tmp_path):
-    from .test_sweep import rows, tiny_mnist
+    from .test_sweep import rows, tiny_sweep
 
-    tiny_mnist(tmp_path / "cache")  # the hosts share this machine's file system
-    spec = tmp_path / "s.toml"
-    spec.write_text(f"""
-[base.run]
-rounds = 2
-target_accuracy = 0.0
-heartbeat_interval_s = 0.2
-torch_threads = 1
-[base.data]
-clients = 4
-cache_dir = "{tmp_path / 'cache'}"
-[base.algorithm]
-C = 0.5
-[axes]
-"algorithm.E" = [1, 2]
-""")
+    spec = tiny_sweep(tmp_path)  # its data set in tmp_path: the hosts share this machine's file system
     out = tmp_path / "sw"
     argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out), "--machines", "h1,h2",
             "--ssh-config", str(hosts.ssh_config), "--parallel", "2", "--workers-per-point", "1"]

@@ -333,16 +333,15 @@ def tiny_mnist(cache: Path, n_train: int = 400, n_test: int = 100) -> None:
     (folder / "SOURCE.json").write_text('{"source": "synthetic, for tests"}')
 
 
-@pytest.mark.slow
-def test_a_real_sweep_killed_half_way_resumes_without_redoing_finished_points(tmp_path):
+def tiny_sweep(tmp_path: Path) -> Path:
+    """A two-point sweep (E = 1, 2) of two-round runs on tiny_mnist; returns its file."""
     tiny_mnist(tmp_path / "cache")
-    spec = write(tmp_path / "s.toml", f"""
-[sweep]
-parallel = 1
+    return write(tmp_path / "s.toml", f"""
 [base.run]
 rounds = 2
 target_accuracy = 0.0
 heartbeat_interval_s = 0.2
+torch_threads = 1
 [base.data]
 clients = 4
 cache_dir = "{tmp_path / 'cache'}"
@@ -351,8 +350,13 @@ C = 0.5
 [axes]
 "algorithm.E" = [1, 2]
 """)
+
+
+@pytest.mark.slow
+def test_a_real_sweep_killed_half_way_resumes_without_redoing_finished_points(tmp_path):
+    spec = tiny_sweep(tmp_path)
     out = tmp_path / "sw"
-    argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out)]
+    argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out), "--parallel", "1"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while status_of(out, "E=2") != "running":
