@@ -71,11 +71,11 @@ def _keys(keys_file: Path | None):
     return RunKeys.load(keys_file)
 
 
-def _node(name: str, broker: str, config: dict, keys_file: Path | None = None) -> Node:
+def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, pool_nice: int = 0) -> Node:
     run = config["run"]
     secured = {"keys": _keys(keys_file)} if keys_file else {}
     return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
-                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, **secured).start()
+                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, pool_nice=pool_nice, **secured).start()
 
 
 def _set_torch_threads(config: dict, workers: int) -> None:
@@ -166,7 +166,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
         shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"],
                                 config["run"]["seed"], **opts)
-    node = _node(f"worker-{index}", broker, config, keys_file)
+    node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])
     for sig in (signal.SIGINT, signal.SIGTERM):
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown).

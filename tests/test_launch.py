@@ -103,8 +103,12 @@ def test_same_seed_same_model(tmp_path):
 
 def test_ctrl_c_stops_every_process_and_keeps_the_log(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "run.rounds=1000", start_new_session=True)
+    proc = launch(run_dir, "run.rounds=1000", "run.pool_nice=10", start_new_session=True)
     wait_for_round(run_dir, 2, proc)
+    worker = node_pid(run_dir, "worker-0")
+    stats = {int(tid): Path(f"/proc/{worker}/task/{tid}/stat").read_text() for tid in os.listdir(f"/proc/{worker}/task")}
+    nice = {tid: int(stat.rsplit(")", 1)[1].split()[16]) for tid, stat in stats.items()}  # stat field 19
+    assert nice[worker] == 0 and 10 in nice.values()  # the training thread yields; the node's own do not
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0
