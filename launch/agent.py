@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import tomllib
 import time
 from importlib import metadata
 from pathlib import Path
@@ -109,6 +110,17 @@ def _die_with_parent() -> None:
         pass  # not Linux: the stdin-EOF path still stops the nodes
 
 
+def host_config(config_toml: str, local_workers: int) -> str:
+    """The run's config as this host's nodes read it: torch_threads = 0 means this
+    host's cores over this host's worker nodes, not over the run's total."""
+    from . import config as configuration
+
+    config = tomllib.loads(config_toml)
+    if not config["run"]["torch_threads"]:
+        config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // max(1, local_workers))
+    return configuration.to_toml(config)
+
+
 class HostAgent:
     def __init__(self, bundle: dict, out=sys.stdout) -> None:
         self.bundle = bundle
@@ -125,7 +137,7 @@ class HostAgent:
 
     def start(self) -> None:
         b = self.bundle
-        (self.run_dir / "config.toml").write_text(b["config_toml"])
+        (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
         keys_path = self.run_dir / "run.keys"
         fd = os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -52,7 +52,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "eval_every": Key(int, "evaluate the global model every this many rounds", check=_positive, rule="> 0"),
         "out": Key(str, "folder under which run directories are made"),
         "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=_non_negative, rule=">= 0"),
-        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers", check=_non_negative, rule=">= 0"),
+        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=_non_negative, rule=">= 0"),
         "heartbeat_interval_s": Key(float, "node heartbeat period", check=_positive, rule="> 0"),
         "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=_positive, rule="> 0"),
         "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=_positive, rule="> 0"),

@@ -67,6 +67,20 @@ def test_workers_are_placed_by_slots_in_host_order():
     assert assign_workers([a, b, c], {a: 8, b: 4, c: 1}, 1) == {a: [0, 1], b: [2], c: [3]}
 
 
+def test_a_hosts_nodes_split_that_hosts_cores_among_themselves():
+    import tomllib
+
+    from fedemu.launch import config as configuration
+    from fedemu.launch.agent import host_config
+
+    config = configuration.load(None)
+    config["run"]["workers"] = 64  # the run's total, over every host
+    threads = tomllib.loads(host_config(configuration.to_toml(config), 1))["run"]["torch_threads"]
+    assert threads == os.cpu_count()  # this host's cores for its one node, not cores / 64
+    config["run"]["torch_threads"] = 3  # an explicit choice stands
+    assert tomllib.loads(host_config(configuration.to_toml(config), 2))["run"]["torch_threads"] == 3
+
+
 def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_path):
     from fedemu.launch import config as configuration
     from fedemu.launch.local import LaunchError, LocalRun
