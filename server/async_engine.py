@@ -19,8 +19,8 @@ sent each client and adds it back. A sketch is unbiased in the delta, hence in t
 
 Messages can be lost (link loss, a client offline). Each client request carries an id and
 the client resends it until the reply with that id comes (``retry_s``); the server answers
-a request it has answered already with the same reply, without merging or counting it
-again, and resends AsyncStart to a client it has not heard from. Models are numbered by the
+a request it has answered already again (with compression, the very same model), without
+merging or counting it again, and resends AsyncStart to a client it has not heard from. Models are numbered by the
 server (``sent``) and the number travels with the model, so both sides agree on an
 upload's base whatever was lost. Each evaluation event counts the repeats the server saw.
 """
@@ -138,8 +138,8 @@ class AsyncEngine(Engine):
         # never changed in place, so clients holding the same version share one array).
         self.bases: dict[int, np.ndarray] = {}
         self._keep_bases = self.codec is not None and not isinstance(rule, FedBuff)
-        # Exactly once: the id of the last request answered per client, and the ModelReply
-        # it got (None for an age request, which is answered afresh), to send again.
+        # Exactly once: the id of the last request answered per client, and (compressed
+        # runs) the ModelReply it got, to send again; see _reply_model.
         self.answered: dict[int, int] = {}
         self.replies: dict[int, ModelReply | None] = {}
         # Clients not heard from since their AsyncStart: that message, and when to resend it.
@@ -272,17 +272,23 @@ class AsyncEngine(Engine):
         self.duplicates += 1
         self.doing[k] = f"resent {type(body).__name__} {body.request}"
         if body.request == last:
-            reply = self.replies.get(k)
-            if reply is not None:
-                proc.send(msg.sender, reply)
-            elif isinstance(body, AgeRequest):
+            if isinstance(body, AgeRequest):
                 proc.send(msg.sender, AgeReply(self.age, body.request))
+            elif self.replies.get(k) is not None:
+                proc.send(msg.sender, self.replies[k])  # the same numbered model: a compressed upload's base
+            else:
+                self._reply_model(proc, msg)  # uncompressed: the model as it is now serves as well
         return False
 
     def _reply_model(self, proc: ThreadProcess, msg: Message) -> None:
-        """Answer a fetch or upload with the global model, kept for a repeat of the request."""
+        """Answer a fetch or upload with the global model. With compression the reply is
+        kept for a repeat of the request: the client's next upload is encoded against that
+        very model (``bases`` keeps the same array, so this costs no memory). Without, a
+        repeat gets the model as it is then, and no old model is kept per client (K of
+        them would be K model versions held)."""
         k = msg.body.client
-        self.replies[k] = reply = ModelReply(self.weights, self.age, request=msg.body.request)
+        reply = ModelReply(self.weights, self.age, request=msg.body.request)
+        self.replies[k] = reply if self.codec is not None else None
         self._send_model(proc, k, msg.sender, reply)
 
     def _send_model(self, proc: ThreadProcess, k: int, pid: Pid, message: AsyncStart | ModelReply) -> None:

@@ -72,7 +72,7 @@ def test_retry_s_is_checked_and_named():
 # --- the server ------------------------------------------------------------------------------
 
 
-def test_a_repeated_upload_gets_the_stored_reply_and_is_merged_once(tmp_path):
+def test_a_repeated_upload_is_answered_again_and_merged_once(tmp_path):
     eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4))
     first = weights_upload(eng, 0, request=1, value=1.0)
     proc = ScriptedProc(first, weights_upload(eng, 0, 1, 1.0),  # the reply was lost: the same request again
@@ -82,9 +82,10 @@ def test_a_repeated_upload_gets_the_stored_reply_and_is_merged_once(tmp_path):
     serve(eng, proc)
     assert eng.totals.uploads == 2 and eng.age == 2  # requests 1 and 2, each merged once
     replies = sent_to(proc, CLIENT_0, ModelReply)
-    assert [(r.request, r.model) for r in replies] == [(1, 2), (1, 2), (2, 3)]  # AsyncStart was model 1
-    assert replies[1] is replies[0]  # the very reply, not the model as it is now
-    assert eng.sent[0] == 3 and eng.duplicates == 2
+    # Uncompressed, a repeat gets the model as it is now (numbered anew): nothing old is kept.
+    assert [(r.request, r.model) for r in replies] == [(1, 2), (1, 3), (2, 4)]  # AsyncStart was model 1
+    assert eng.replies[0] is None
+    assert eng.sent[0] == 4 and eng.duplicates == 2
     assert eng.doing[0] == "resent Upload 1"
 
 
@@ -97,8 +98,19 @@ def test_a_repeated_age_request_is_answered_and_a_fetch_repeat_gets_the_same_mod
     serve(eng, proc)
     assert [(r.age, r.request) for r in sent_to(proc, CLIENT_1, AgeReply)] == [(1, 1), (1, 1)]
     fetched = sent_to(proc, CLIENT_1, ModelReply)
-    assert len(fetched) == 2 and fetched[0] is fetched[1] and fetched[0].model == eng.sent[1] == 2
+    assert [r.model for r in fetched] == [2, 3] and eng.sent[1] == 3
     assert eng.duplicates == 2
+
+
+def test_with_compression_a_repeat_gets_the_very_model_its_upload_will_be_encoded_against(tmp_path):
+    spec = CompressionSpec(subsample=0.25, rotate=True, bits=2).to_dict()
+    eng = engine(tmp_path, Coop(b_l=1, b_u=3), compression=spec)
+    fetch = FetchRequest(client=1, request=1)
+    proc = ScriptedProc(Message(CLIENT_1, fetch), Message(CLIENT_1, fetch), stop())
+    serve(eng, proc)
+    fetched = sent_to(proc, CLIENT_1, ModelReply)
+    assert len(fetched) == 2 and fetched[0] is fetched[1] and fetched[0].model == eng.sent[1] == 2
+    assert eng.bases[1] is fetched[0].weights  # the model kept is the one the base needs anyway
 
 
 def test_requests_from_an_earlier_process_of_a_restarted_client_are_ignored(tmp_path):
