@@ -233,7 +233,7 @@ def test_ctrl_c_stops_the_nodes_on_every_host(hosts, tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--machines", "h1,h2",
             "--ssh-config", str(hosts.ssh_config), "--workers", "1", "--set", "run.rounds=1000",
-            "--set", "run.target_accuracy=0"]
+            "--set", "run.target_accuracy=0", "--set", "run.torch_threads=1"]  # the test hosts share 2 cores
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while not any(e["event"] == "round" for e in read_events(run_dir)):
