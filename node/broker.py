@@ -37,11 +37,10 @@ from typing import Any
 
 import msgpack
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
-from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler
+from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler, pending_monitor_events
 from .wire import CTL, USER, VERSION, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
@@ -472,12 +471,7 @@ class Broker:
             log.warning("refused connection from %s (#%d from there): %s", address, seen, reason)
 
     def _monitor_events(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            kind, value = event["event"], event["value"]
+        for kind, value in pending_monitor_events(self._monitor):
             if kind == zmq.EVENT_ACCEPTED:
                 self._peers[value] = _peer_address(value)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

@@ -40,11 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .broker import BROKER_NODE, BROKER_PID
-from .security import PROTOCOL_ERRORS, RunKeys
+from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
 from .wire import CTL, USER, Hold, Pid, WireError, message
 
 log = logging.getLogger("fedemu.node")
@@ -738,12 +737,7 @@ class Node:
     def _watch_handshake(self, poller: zmq.Poller) -> bool:
         """Note a refused handshake for :meth:`start`; once welcomed, stop watching.
         Returns whether to keep watching."""
-        while True:
-            try:
-                event = parse_monitor_message(self._handshake_monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-            kind, value = event["event"], event["value"]
+        for kind, value in pending_monitor_events(self._handshake_monitor):
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 detail = f"ZAP status {value}"
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:

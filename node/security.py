@@ -27,10 +27,11 @@ import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import zmq
 import zmq.utils.z85
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("fedemu.security")
 
@@ -186,3 +187,14 @@ class ZapHandler:
 # libzmq's handshake failure codes, for the log.
 PROTOCOL_ERRORS = {getattr(zmq, name): name[len("PROTOCOL_ERROR_"):].lower()
                    for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
+
+
+def pending_monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """(event, value) of every event queued on a socket monitor, without waiting: how
+    the broker and a node see handshakes that never reach their own code."""
+    while True:
+        try:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+        yield event["event"], event["value"]

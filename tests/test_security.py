@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from fedemu.node import TIMEOUT, Broker, Node, NodeError, Pid, wire
+from fedemu.node import Broker, Node, NodeError, Pid, wire
 from fedemu.node.security import KeyFileError, RunKeys
 
-from .test_runtime import run_in_process, whereis
+from .test_runtime import echo_round_trips
 
 HEARTBEAT_TIMEOUT = 1.0
 
@@ -31,23 +31,6 @@ def keys(tmp_path):
 
 def node(name: str, broker: str, keys: RunKeys | None) -> Node:
     return Node(name, broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT, keys=keys)
-
-
-def echo_round_trips(n: Node, count: int, tag: str) -> list:
-    """``count`` messages to the peer's echo process; the echoes' sequence numbers."""
-    def body(proc):
-        echo = whereis(proc, "peer/echo")
-        for i in range(count):
-            proc.send(echo, {"tag": tag, "seq": i})
-        got = []
-        while len(got) < count:
-            msg = proc.receive(lambda m: isinstance(m, dict) and m.get("tag") == tag, timeout=10)
-            if msg is TIMEOUT:
-                break
-            got.append(msg.body["seq"])
-        return got
-
-    return run_in_process(n, body)
 
 
 # --- the key file ----------------------------------------------------------------------------
