@@ -18,7 +18,9 @@ receiving node keeps it until it is due. So the time the bytes take to cross loo
 or the LAN overlaps the emulated delay instead of adding to it, and a busy broker
 loop no longer delivers late. A client that goes offline while messages to or from
 it are held gets an ``offline`` notice to every node; they drop what is held for it
-and report back, so the loss is counted here like any other.
+and report back, so the loss is counted here like any other. The client's own node
+also hears when its device goes offline and comes back (``availability``), so its
+training stops as a real device's would; no other node does.
 
 With :class:`~fedemu.node.security.RunKeys`, the ROUTER is a CURVE server that admits
 only the run's nodes; every refused connection is logged and counted (``refused``).
@@ -28,12 +30,14 @@ reason and dropped; the broker keeps serving everyone else.
 """
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import os
 import socket as pysocket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import msgpack
 import zmq
@@ -161,6 +165,13 @@ class Broker:
         # Per link, when the last message forwarded across it is due (broker clock):
         # while that is ahead, receiving nodes may hold messages of that link.
         self._flight_until: dict[int, float] = {}
+        # Clients' devices: the processes owning each link, the links whose owners were
+        # told they are offline, and when to look again: a heap of (emulated time, link)
+        # with the one time that counts per link.
+        self._owners: dict[int, set[Pid]] = {}
+        self._devices_offline: set[int] = set()
+        self._device_checks: list[tuple[float, int]] = []
+        self._device_check_at: dict[int, float] = {}
 
     def emulated_now(self) -> float:
         """Emulated seconds since the broker started (wall seconds x time_scale)."""
@@ -188,13 +199,18 @@ class Broker:
         log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._zap else "")
         try:
             while self._running:
-                for sock, _ in poller.poll(max(0.0, next_check - time.monotonic()) * 1000):
+                wake = next_check
+                if self._device_checks:
+                    wake = min(wake, self._t0 + self._device_checks[0][0] / self.time_scale)
+                for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
                     if sock is self._sock:
                         self._drain()
                     elif sock is self._monitor:
                         self._monitor_events()
                     else:
                         self._zap.handle()
+                if self._device_checks:
+                    self._due_device_checks()
                 now = time.monotonic()
                 if now >= next_check:
                     self._check_nodes(now)
@@ -527,8 +543,7 @@ class Broker:
                 raise WireError("unregister needs a list of names")
             for name in names:
                 if isinstance(name, str) and self._names.get(name, (None,))[0] == src.node:
-                    pid = self._names.pop(name)
-                    self._link_of.pop(pid, None)
+                    self._disown(self._names.pop(name))
         elif op == "whereis":
             name = body.get("name")
             if not isinstance(name, str):
@@ -552,10 +567,14 @@ class Broker:
             self._scripted_events(round_=round_)
             if self.network.availability is not None:
                 self._notify_offline()  # the new round's drop-outs
+                if self.network.availability.per_round > 0:
+                    self._check_devices(list(self._owners))
         elif op == "set_links":
             error = self._set_links(body)
             if error is None and body.get("offline") is True:
                 self._notify_offline()
+            if error is None and isinstance(body.get("offline"), bool):
+                self._check_devices(list(self._owners))
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
         elif op == "held_dropped":
             self._held_dropped(body.get("counts"))
@@ -572,6 +591,7 @@ class Broker:
     def _register(self, identity: bytes, src: Pid, entries: Any) -> None:
         if not isinstance(entries, list):
             raise WireError("register needs a list of entries")
+        owned = []
         for entry in entries:
             if not (isinstance(entry, list) and len(entry) == 3):
                 raise WireError(f"bad register entry {entry!r}")
@@ -586,6 +606,19 @@ class Broker:
             self._names[name] = pid
             if isinstance(link, int):
                 self._link_of[pid] = link
+                self._owners.setdefault(link, set()).add(pid)
+                owned.append((pid, link))
+        # A new owner of a link already offline (a restarted client) is told at once.
+        self._tell_devices([(pid, True) for pid, link in owned if link in self._devices_offline])
+        self._check_devices({link for _, link in owned})
+
+    def _disown(self, pid: Pid) -> None:
+        link = self._link_of.pop(pid, None)
+        owners = self._owners.get(link)
+        if owners is not None:
+            owners.discard(pid)
+            if not owners:
+                del self._owners[link]
 
     # --- changing the network while it runs ----------------------------------------------
 
@@ -625,6 +658,57 @@ class Broker:
                 log.info("scripted event: clients %s now on profile %s (round %s, t=%.3fs)",
                          _ids_text(event.clients), event.profile, round_, now)
 
+    # --- clients' devices: telling a client's own node when it goes offline and back ---
+
+    def _check_devices(self, links: Iterable[int]) -> None:
+        """Tell the owners of these links (on their nodes) when whether they are offline
+        has changed, and schedule a look at the next time-based switch. Only the client's
+        own node hears of it: a device knows it is offline; the server learns of it as a
+        real one would (no answer)."""
+        availability = self.network.availability
+        if availability is None and not self.network.offline and not self._devices_offline:
+            return
+        timed = availability is not None and availability.timed
+        now = self.emulated_now()
+        changed = []
+        for link in links:
+            if link not in self._owners:
+                continue  # no client owns it (yet): looked at when one registers
+            offline = self.network.is_offline(link, now)
+            if offline != (link in self._devices_offline):
+                if offline:
+                    self._devices_offline.add(link)
+                else:
+                    self._devices_offline.discard(link)
+                changed.extend((pid, offline) for pid in self._owners[link])
+            if timed:
+                at = availability.next_change(link, now)
+                if at < math.inf and self._device_check_at.get(link) != at:
+                    self._device_check_at[link] = at
+                    heapq.heappush(self._device_checks, (at, link))
+        self._tell_devices(changed)
+
+    def _due_device_checks(self) -> None:
+        now = self.emulated_now()
+        due = []
+        while self._device_checks and self._device_checks[0][0] <= now:
+            at, link = heapq.heappop(self._device_checks)
+            if self._device_check_at.get(link) == at:  # else superseded by a later push
+                del self._device_check_at[link]
+                due.append(link)
+        if due:
+            self._check_devices(due)
+
+    def _tell_devices(self, changed: list[tuple[Pid, bool]]) -> None:
+        by_node: dict[str, dict[str, list[int]]] = {}
+        for pid, offline in changed:
+            lists = by_node.setdefault(pid[0], {"offline": [], "online": []})
+            lists["offline" if offline else "online"].append(pid[1])
+        for node, lists in by_node.items():
+            info = self._nodes.get(node)
+            if info is not None:
+                self._send_ctl(info.identity, Pid(node, 0), {"op": "availability", **lists})
+
     # --- liveness -------------------------------------------------------------------
 
     def _check_nodes(self, now: float) -> None:
@@ -645,7 +729,7 @@ class Broker:
             if pid.node == node:
                 del self._names[name]
         for pid in [p for p in self._link_of if p[0] == node]:
-            del self._link_of[pid]
+            self._disown(pid)
         for info in self._nodes.values():
             self._send_ctl(info.identity, Pid(info.name, 0), {"op": "node_down", "node": node})
 

@@ -23,6 +23,7 @@ them by ``time_scale`` to get wall-clock delays.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
 import math
@@ -357,6 +358,30 @@ class Availability:
         if self.on_off is not None and covers(self.on_off[0]):
             return self._on_off_offline(link, now)
         return False
+
+    @property
+    def timed(self) -> bool:
+        """Whether any rule changes a client's state with time (not only per round)."""
+        return bool(self.windows or self.leave or self.on_off)
+
+    def next_change(self, link: int, now: float) -> float:
+        """The first time after ``now`` at which a time-based rule may change whether
+        this client is offline (math.inf: none will)."""
+        def covers(group: frozenset[int] | None) -> bool:
+            return group is None or link in group
+
+        soonest = math.inf
+        for group, start, end in self.windows:
+            if covers(group):
+                soonest = min(soonest, start if start > now else end if end > now else math.inf)
+        for group, at in self.leave:
+            if covers(group) and at > now:
+                soonest = min(soonest, at)
+        if self.on_off is not None and covers(self.on_off[0]):
+            self._on_off_offline(link, now)  # draws switches up to past now
+            switches = self._switches[link]
+            soonest = min(soonest, switches[bisect.bisect_right(switches, now)])
+        return soonest
 
     def _on_off_offline(self, link: int, now: float) -> bool:
         """Alternating exponential up and down periods, starting up; switch times are

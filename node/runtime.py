@@ -56,7 +56,7 @@ CLOCK_SAMPLES = 16
 QUICK_SYNC_BEATS, QUICK_SYNC_INTERVAL = 5, 0.01
 # Control ops only the broker may send; from anyone else they are spoofed.
 _BROKER_OPS = frozenset({"welcome", "hb", "reply", "node_down", "shutdown", "unknown_node", "offline",
-                         "register_failed"})
+                         "register_failed", "availability"})
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -91,6 +91,13 @@ class Message(NamedTuple):
     body: Any
 
 
+class _LinkChange(NamedTuple):
+    """The broker's word that this process's link went offline or came back: handed
+    to :meth:`Behaviour.link_changed`, in mailbox order, never to ``handle``."""
+
+    offline: bool
+
+
 Match = Callable[[Any], bool] | type | tuple | None
 
 
@@ -112,6 +119,10 @@ class Process:
         self._mailbox: collections.deque[Message] = collections.deque()
         self._lock = threading.Lock()
         self.alive = True
+        # The emulated device behind a client's link: whether it is offline now, and how
+        # many times it has gone offline (work begun before a change is lost with it).
+        self.offline = False
+        self.offline_count = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.pid}{' ' + self.names[0] if self.names else ''})"
@@ -141,14 +152,17 @@ class Process:
     def spawn(self, fn: Callable, *args: Any, name: str | None = None) -> Pid:
         return self.node.spawn(fn, *args, name=name)
 
-    def send_after(self, delay: float, dst: Pid | str, body: Any) -> TimerRef | None:
+    def send_after(self, delay: float, dst: Pid | str, body: Any, *, unless_offline: bool = False
+                   ) -> TimerRef | None:
         """Send ``body`` after ``delay`` wall seconds, without blocking this process
         (Erlang's send_after): how a client emulates a slower device. Returns a
-        reference whose ``cancel()`` stops a send not yet made (None if sent now)."""
+        reference whose ``cancel()`` stops a send not yet made (None if sent now).
+        With ``unless_offline`` the send is skipped if this process's link goes offline
+        first: the device's work it stands for was lost with the device."""
         if delay <= 0:
             self.send(dst, body)
             return None
-        return self.node._timers.add(delay, (USER, self.pid, dst, body))
+        return self.node._timers.add(delay, (USER, self.pid, dst, body), self if unless_offline else None)
 
     # --- runtime side ---------------------------------------------------------------
 
@@ -159,16 +173,23 @@ class Process:
 class TimerRef:
     """A pending send_after; ``cancel()`` stops it if it has not fired (Erlang's cancel_timer)."""
 
-    __slots__ = ("due", "seq", "args", "cancelled")
+    __slots__ = ("due", "seq", "args", "cancelled", "fired", "owner", "offline_count", "_lock")
 
-    def __init__(self, due: float, seq: int, args: tuple) -> None:
-        self.due, self.seq, self.args, self.cancelled = due, seq, args, False
+    def __init__(self, due: float, seq: int, args: tuple, owner: Process | None, lock: threading.Condition) -> None:
+        self.due, self.seq, self.args, self.cancelled, self.fired = due, seq, args, False, False
+        # Skipped if the owner's link has gone offline by then (send_after's unless_offline).
+        self.owner = owner
+        self.offline_count = owner.offline_count if owner is not None else 0
+        self._lock = lock
 
     def __lt__(self, other: TimerRef) -> bool:
         return (self.due, self.seq) < (other.due, other.seq)
 
-    def cancel(self) -> None:
-        self.cancelled = True
+    def cancel(self) -> bool:
+        """Stop the send; True if it had not been made (and now never will be)."""
+        with self._lock:
+            self.cancelled = True
+            return not self.fired
 
 
 class _Timers:
@@ -184,8 +205,8 @@ class _Timers:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def add(self, delay: float, args: tuple) -> TimerRef:
-        ref = TimerRef(time.monotonic() + delay, next(self._seq), args)
+    def add(self, delay: float, args: tuple, owner: Process | None = None) -> TimerRef:
+        ref = TimerRef(time.monotonic() + delay, next(self._seq), args, owner, self._cond)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"{self._name}-timers", daemon=True)
@@ -209,7 +230,10 @@ class _Timers:
                 if self._closed:
                     return
                 ref = heapq.heappop(self._heap)
-            if not ref.cancelled:
+                # Decided under the lock, so cancel() knows for sure whether it was sent.
+                ref.fired = not ref.cancelled and (ref.owner is None
+                                                   or ref.owner.offline_count == ref.offline_count)
+            if ref.fired:
                 try:
                     self._fire(*ref.args)
                 except Exception:  # one failed send must not stop every later timer
@@ -264,6 +288,11 @@ class Behaviour:
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         raise NotImplementedError
 
+    def link_changed(self, proc: BehaviourProcess, offline: bool) -> None:
+        """This process owns an emulated link (a client) whose device went offline
+        (``offline``) or came back. Runs in mailbox order, like ``handle``; a handler
+        already running sees ``proc.offline_count`` change at once."""
+
     def stopped(self, proc: BehaviourProcess, reason: str) -> None:
         pass
 
@@ -297,7 +326,10 @@ class BehaviourProcess(Process):
                     return
                 msg = self._mailbox.popleft()
             try:
-                self.behaviour.handle(self, msg)
+                if type(msg.body) is _LinkChange:
+                    self.behaviour.link_changed(self, msg.body.offline)
+                else:
+                    self.behaviour.handle(self, msg)
             except Exception as exc:
                 self.node._exit(self, _crash_reason(exc))
                 return
@@ -860,6 +892,23 @@ class Node:
         self._send_ctl(BROKER_PID, {"op": "held_dropped",
                                     "counts": [[link, d, n] for (link, d), n in sorted(counts.items())]})
 
+    def _link_changes(self, offline: Any, online: Any) -> None:
+        """The broker's word that the links of these local processes went offline or
+        came back: their flags change at once (a running handler sees them), and a
+        behaviour hears of it in mailbox order."""
+        for ids, state in ((offline, True), (online, False)):
+            if not (isinstance(ids, list) and all(type(i) is int for i in ids)):
+                raise ValueError("availability needs lists of local process ids")
+            for i in ids:
+                proc = self._procs.get(i)
+                if proc is None or proc.offline == state:
+                    continue
+                proc.offline = state
+                if state:
+                    proc.offline_count += 1
+                if isinstance(proc, BehaviourProcess):
+                    proc._deliver(Message(BROKER_PID, _LinkChange(state)))
+
     def _clock_sample(self, body: dict) -> None:
         """A round trip to the broker (our send time echoed, the broker's clock): its
         offset is known to within half the round trip, so the shortest recent wins."""
@@ -916,6 +965,8 @@ class Node:
                 self._arrive(down.pid, entry[0].id, down, None)
         elif op == "offline":
             self._drop_offline(body.get("links"), body.get("at"))
+        elif op == "availability":
+            self._link_changes(body.get("offline"), body.get("online"))
         elif op == "node_down":
             log.warning("node %s reports node %s down", self.name, body["node"])
             self._fire_noconnection(body["node"])

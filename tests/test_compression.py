@@ -482,13 +482,15 @@ SERVER, CLIENT = Pid("server-node", 1), Pid("worker-0", 3)
 class _Outbox:
     """Stands in for a process: keeps what is sent (send_after sends at once)."""
 
+    offline, offline_count = False, 0  # its device stays online
+
     def __init__(self):
         self.sent = []
 
     def send(self, pid, body):
         self.sent.append(body)
 
-    def send_after(self, delay, pid, body):
+    def send_after(self, delay, pid, body, unless_offline=False):
         self.sent.append(body)
 
 

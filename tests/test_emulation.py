@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedemu.node import TIMEOUT, Down, Node, Pid
+from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid
 
 from .realprocs import Procs
 from .test_launch import launch, wait_for_round
@@ -262,6 +262,101 @@ def test_down_does_not_overtake_the_last_messages_of_a_process(procs):
     finally:
         pair.close()
     assert seen == ["last words", "down"]
+
+
+def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
+    """A scheduled window takes client 0 offline: the broker tells the client's own node
+    when the window opens and closes (its flags, and a behaviour's link_changed in
+    order), and a send the device had scheduled with unless_offline never happens."""
+    window = (5.0, 6.0)  # emulated seconds from the broker's start
+    pair = Pair(start_broker(procs, {"dropout": {"windows": [{"clients": "0", "start_s": window[0],
+                                                                "end_s": window[1]}]}}))
+    owner: list = []
+    heard: list = []
+
+    class Device(Behaviour):
+        def handle(self, proc, msg):
+            pass
+
+        def link_changed(self, proc, offline):
+            heard.append(offline)
+
+    def client(proc):
+        owner.append(proc)
+        proc.receive(timeout=15)
+
+    try:
+        now = pair.server_node.broker_stats()["emulated_s"]
+        assert now < window[0] - 1, f"the broker took {now:.1f}s to get here; the window is at {window[0]}s"
+        pair.client_node.spawn(client, name="client/0", link=0)
+        pair.client_node.spawn_behaviour(Device(), name="client/1", link=0)  # a second owner of link 0
+        deadline = time.monotonic() + 5
+        while not owner:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc = owner[0]
+        due_after_window = window[1] + 0.5 - now
+        proc.send_after(due_after_window, "server", "guarded", unless_offline=True)
+        proc.send_after(due_after_window, "server", "plain")
+        flips = []  # (wall seconds from `now`, offline)
+        started = time.monotonic()
+        while time.monotonic() - started < due_after_window + 0.5:
+            if proc.offline != (flips[-1][1] if flips else False):
+                flips.append((time.monotonic() - started, proc.offline))
+            time.sleep(0.005)
+        arrivals = pair.wait(1, 2)
+    finally:
+        pair.close()
+    assert [state for _, state in flips] == [True, False]
+    assert window[0] - now - 0.3 < flips[0][0] < window[0] - now + 0.5  # when the window opened
+    assert 0.5 < flips[1][0] - flips[0][0] < 1.5  # open for about its 1 s
+    assert proc.offline_count == 1
+    assert heard == [True, False]
+    assert [body for _, body in arrivals] == ["plain"]  # "guarded" was lost with the device
+
+
+def test_a_client_that_goes_offline_stops_training_and_answers_again_once_back(procs):
+    """A client whose device goes offline mid-training stops at its next step and sends
+    nothing; back online, it is selected and answers again."""
+    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.data import Dataset
+    from fedemu.worker.models import build, get_flat
+    from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 255, (200, 28, 28), dtype=np.uint8), rng.integers(0, 10, 200)
+    client = Client(0, np.arange(200), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache())
+    weights = get_flat(build("2nn"))
+    got: dict = {}  # epochs asked for -> the answer, or None
+    pair = Pair(start_broker(procs, {}))
+
+    def server(proc, epochs, wait_s):
+        proc.send("client/0", TrainRequest(round=epochs, task=TRAIN, weights=weights, epochs=epochs,
+                                           batch_size=10, lr=0.1, seed=1))
+        msg = proc.receive(timeout=wait_s)
+        got[epochs] = msg.body if msg else None
+
+    def wait_for(condition, what):
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    try:
+        pair.client_node.spawn_behaviour(client, name="client/0", link=0)
+        wait_for(lambda: pair.server_node.whereis("client/0"), "the client never registered")
+        pair.server_node.spawn(server, 100_000, 5.0)  # hours of training
+        time.sleep(1.0)  # well into it
+        pair.server_node.set_links("0", offline=True)
+        wait_for(lambda: client.trainings_stopped == 1, "training did not stop")
+        pair.server_node.set_links("0", offline=False)
+        pair.server_node.spawn(server, 1, 20.0)
+        wait_for(lambda: len(got) == 2, "the servers did not finish")
+    finally:
+        pair.close()
+    assert got[100_000] is None  # the stopped training sent nothing
+    assert isinstance(got[1], TrainReply) and got[1].round == 1
+    assert client.iterations == 20  # only the second training's steps count
 
 
 @pytest.mark.mnist

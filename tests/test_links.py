@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from fedemu.node.links import (
-    DOWN, UP, LinkConfigError, LinkProfile, Network, jitter_sample, parse_bandwidth, uniform,
+    DOWN, UP, Availability, LinkConfigError, LinkProfile, Network, jitter_sample, parse_bandwidth, uniform,
 )
 
 
@@ -194,3 +194,26 @@ def test_a_machine_entry_stands_alone():
         NetworkSpec.from_config({"assign": [{"profile": "lte", "machine": "h2", "clients": "0-9"}]}, 100, 1)
     with pytest.raises(LinkConfigError, match=r"network.assign\[0\] must have profile and clients"):
         NetworkSpec.from_config({"assign": [{"profile": "lte", "host": "h2"}]}, 100, 1)
+
+
+def test_next_change_names_every_time_based_switch_of_a_client():
+    """Stepping from change to change (as the broker wakes up to tell a client's node)
+    sees every switch a fine scan sees."""
+    avail = Availability(seed=3, windows=[(frozenset({0}), 5.0, 9.0)], leave=[(None, 40.0)],
+                         on_off=(frozenset({0, 1}), 6.0, 2.0))
+    for link in (0, 1, 2):
+        scanned = []  # times (to 0.01 s) where a fine scan sees the state flip
+        state = avail.offline(link, 0.0, 0)
+        for step in range(1, 5000):
+            now = step / 100
+            if avail.offline(link, now, 0) != state:
+                state = not state
+                scanned.append(now)
+        stepped, now = [], 0.0
+        while (now := avail.next_change(link, now)) < 50:
+            if avail.offline(link, now, 0) != avail.offline(link, now - 1e-9, 0):
+                stepped.append(now)
+        assert len(scanned) >= 1
+        assert [math.ceil(t * 100) / 100 for t in stepped] == scanned
+    assert avail.next_change(2, 0.0) == 40.0  # client 2 has only the leave rule
+    assert avail.next_change(2, 40.0) == math.inf

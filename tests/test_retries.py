@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import signal
 import subprocess
 import time
@@ -24,7 +25,10 @@ from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, _ModelCache
 from fedemu.worker.compression import CompressionSpec
 from fedemu.worker.data import Dataset
-from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, Upload
+from fedemu.worker.protocol import (
+    AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload,
+)
+from fedemu.worker.stragglers import StragglerSpec
 
 from .test_compression import RUN_SEED, SERVER, _async_pair, _data
 from .test_launch import launch
@@ -167,6 +171,80 @@ def test_the_client_takes_only_the_reply_to_its_pending_request(tmp_path):
     assert client.stale_replies == 5 and client._updates == 2 and client._bases == 7
 
 
+class _Device:
+    """A client's process whose device a test takes offline and back; sends held back
+    for a slow device stay pending until the test looks at them."""
+
+    class Timer:
+        def __init__(self):
+            self.cancelled = False
+
+        def cancel(self) -> bool:  # never fired in these tests
+            self.cancelled = True
+            return True
+
+    pid = Pid("worker", 0)
+
+    def __init__(self):
+        self.offline, self.offline_count = False, 0
+        self.sent, self.held = [], []
+
+    def send(self, dst, body) -> None:
+        self.sent.append(body)
+
+    def send_after(self, delay, dst, body, unless_offline=False):
+        if delay <= 0:
+            self.send(dst, body)
+            return None
+        self.held.append((body, self.Timer()))
+        return self.held[-1][1]
+
+    def switch(self, client: Client, offline: bool) -> None:
+        self.offline = offline
+        self.offline_count += offline
+        client.link_changed(self, offline)
+
+
+def _async_client(stragglers: StragglerSpec = StragglerSpec()) -> tuple[Client, np.ndarray, _Device]:
+    images, labels = _data(20)
+    client = Client(0, np.arange(20), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache(),
+                    stragglers)
+    weights = np.zeros(199_210, dtype=np.float32)  # the 2NN's size
+    device = _Device()
+    client.handle(device, Message(SERVER, AsyncStart(rule="coop", weights=weights, age=0, epochs=1, batch_size=10,
+                                                     lr=0.1, lr_decay=0.0, seed=RUN_SEED, b_l=1, b_u=4,
+                                                     model=1, retry_s=60.0)))
+    return client, weights, device
+
+
+def test_an_async_client_whose_slow_device_goes_offline_loses_its_update_and_redoes_it_when_back():
+    client, start, device = _async_client(StragglerSpec.from_config({"distribution": "fixed", "factor": 10}, 1, 0))
+    held = [body for body, _ in device.held if isinstance(body, AgeRequest)]
+    assert len(held) == 1 and not np.array_equal(client._weights, start)  # trained; its ask is held back
+    retry_timer = next(timer for body, timer in device.held if isinstance(body, RetryDue))
+    device.switch(client, offline=True)
+    assert client.trainings_stopped == 1 and client._pending is None and retry_timer.cancelled
+    assert np.array_equal(client._weights, start)  # the update never finished on the device
+    device.switch(client, offline=False)
+    again = [body for body, _ in device.held if isinstance(body, AgeRequest)]
+    assert len(again) == 2 and again[1].request == 2 and client._pending is again[1]
+    assert device.sent == []  # nothing left the device before it was done
+
+
+def test_an_async_client_stops_training_offline_and_resends_its_pending_request_once_back():
+    client, _, device = _async_client()
+    [ask] = device.sent
+    assert isinstance(ask, AgeRequest)
+    device.switch(client, offline=True)
+    device.switch(client, offline=False)  # back: the unanswered ask goes again at once
+    assert device.sent == [ask, ask] and client.retries == 1 and client.trainings_stopped == 0
+    device.offline, device.offline_count = True, 2  # offline before it reads its next message
+    client.handle(device, Message(device.pid, TrainAgain()))
+    assert client.trainings_stopped == 1 and client._updates == 2 and len(device.sent) == 2  # stopped at once
+    device.switch(client, offline=False)  # back: the lost update is run again
+    assert [type(b) for b in device.sent[2:]] == [AgeRequest] and client._updates == 3
+
+
 class LossyLoop:
     """One AsyncEngine and its Clients in this process. Every message crosses the wire
     codec, in order; the n-th message of a kind to or from a client is lost if
@@ -228,6 +306,8 @@ class LossyLoop:
 
 
 class _ClientEnd:
+    offline, offline_count = False, 0  # messages are lost, devices stay online
+
     def __init__(self, loop: LossyLoop, k: int):
         self.loop, self.k, self.pid = loop, k, Pid("worker", k)
 
@@ -237,7 +317,7 @@ class _ClientEnd:
         elif (copy := self.loop.cross(body, self.k)) is not None:
             self.loop.to_server.append(Message(self.pid, copy))
 
-    def send_after(self, delay, dst, body) -> None:
+    def send_after(self, delay, dst, body, unless_offline=False) -> None:
         if dst == self.pid:
             self.loop.timers.append((self.loop.steps + self.loop.TIMER_STEPS, self.k, Message(self.pid, body)))
         else:
@@ -312,6 +392,9 @@ def test_a_lossy_network_no_longer_stalls_the_run(tmp_path, network):
     assert summary["uploads"] == 20 and summary["faults"] == 0
     rounds = [e for e in read_events(run_dir) if e["event"] == "round"]
     assert sum(e["lost_up"] + e["lost_down"] for e in rounds) > 0  # the network did bite
-    assert "resends" in (run_dir / "logs" / "worker-0.log").read_text()
+    worker_log = (run_dir / "logs" / "worker-0.log").read_text()
     if network is FEDBUFF_LOSSY_SKETCHED:  # about 15 of some 60 replies are lost
+        assert "resends" in worker_log
         assert sum(e["duplicate_requests"] for e in rounds) > 0
+    else:  # devices that went offline stopped training, or resent once back
+        assert re.search(r"went offline|resends", worker_log)

@@ -90,10 +90,12 @@ def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
             self.cancelled = True
 
     class Proc:
+        offline, offline_count = False, 0  # its device stays online
+
         def __init__(self):
             self.held = []
 
-        def send_after(self, delay, pid, body):
+        def send_after(self, delay, pid, body, unless_offline=False):
             self.held.append((delay, body, HeldSend()))
             return self.held[-1][2]
 

@@ -95,11 +95,16 @@ class Client(Behaviour):
         self._held_replies: dict = {}  # round -> the held-back TrainReply's timer (a slow device)
         self._retry_timer = None  # the pending request's RetryDue, cancelled when it is answered
         self.retries = 0  # requests resent for want of a reply
+        self.trainings_stopped = 0  # local updates cut short by the device going offline
+        self._stopped = False  # asynchronous: the last local update was lost; redo it when back online
+        self._untrained: np.ndarray | None = None  # w_k before the local update in progress
+        self._send_timer = None  # a request held back for a slow device's extra compute time
         self.stale_replies = 0  # replies ignored: duplicates, or answers to an earlier request
         self._updates = 0  # local updates run in asynchronous mode (its "round" counter)
         self._trainings = 0  # local updates since the base (CO-OP: more than one when over-active)
         self._encoded: dict | None = None  # a structured training's exact encoding of the delta
         self._loss = 0.0
+        self._compute_s = 0.0  # the last local update's measured time
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         body = msg.body
@@ -134,9 +139,62 @@ class Client(Behaviour):
         else:
             log.warning("client %d ignores %r from %s", self.client_id, type(body).__name__, msg.sender)
 
+    # --- the device going offline and coming back -------------------------------------------
+
+    def link_changed(self, proc: BehaviourProcess, offline: bool) -> None:
+        """Training stops at its next step once the device is offline (see _offline_since);
+        a reply held back for a slow device is never sent (send_after's unless_offline).
+        Asynchronous rules pick up where they were when the device is back."""
+        log.debug("client %d is %s", self.client_id, "offline" if offline else "back online")
+        if self._async is None:
+            return
+        if offline:
+            if self._send_timer is not None and self._send_timer.cancel():
+                self._lose_local_update("while its slower device was still computing")
+        elif self._stopped:
+            self._stopped = False
+            self._train_async(proc)
+        elif self._pending is not None:  # reconnected: no need to wait for the retry timer
+            log.info("client %d is back online and resends %s %d", self.client_id, type(self._pending).__name__,
+                     self._pending.request)
+            self._resend(proc)
+
+    @staticmethod
+    def _offline_since(proc: BehaviourProcess):
+        """True once the device has been offline at any time since this call."""
+        count = proc.offline_count
+        return lambda: proc.offline or proc.offline_count != count
+
+    def _lose_local_update(self, when: str) -> None:
+        self.trainings_stopped += 1
+        self._stopped = True
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._pending, self._retry_timer, self._send_timer = None, None, None
+        self._weights, self._encoded = self._untrained, None
+        self._trainings -= 1
+        log.info("client %d went offline %s: local update %d lost; it trains again when back online",
+                 self.client_id, when, self._updates)
+
     # --- synchronous rounds ---------------------------------------------------------------
 
     def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
+        went_offline = self._offline_since(proc)
+        try:
+            with training.stop_when(went_offline):
+                reply = self._run_task(request)
+                if went_offline():
+                    raise training.TrainingStopped
+        except training.TrainingStopped:
+            self.trainings_stopped += 1
+            log.info("client %d went offline during round %d's training: it stops and sends nothing",
+                     self.client_id, request.round)
+            return
+        # A slower device: hold the reply for the extra compute time it would have taken.
+        held = proc.send_after(self._hold(reply.compute_s, reply.slowdown), sender, reply, unless_offline=True)
+        self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
+
+    def _run_task(self, request: TrainRequest) -> TrainReply:
         started = time.perf_counter()
         model = self._cache.get(self.model_name)
         models.set_flat(model, request.weights)
@@ -169,14 +227,11 @@ class Client(Behaviour):
             raise ValueError(f"unknown task {request.task!r}")
         compute_s = time.perf_counter() - started
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        reply = TrainReply(
+        return TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
             encoded=encoded,
         )
-        # A slower device: hold the reply for the extra compute time it would have taken.
-        held = proc.send_after(self._hold(compute_s, slowdown), sender, reply)
-        self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
         return self.dataset.train_images[self.indices], self.dataset.train_labels[self.indices]
@@ -197,7 +252,7 @@ class Client(Behaviour):
         self._request_id += 1
         request.request = self._request_id
         self._pending = request
-        proc.send_after(hold, self._server, request)
+        self._send_timer = proc.send_after(hold, self._server, request, unless_offline=True)
         self._arm(proc, hold)
 
     def _arm(self, proc: BehaviourProcess, hold: float) -> None:
@@ -209,10 +264,18 @@ class Client(Behaviour):
         pending = self._pending
         if pending is None or pending.request != request:
             return  # answered in time
+        if proc.offline:  # nothing can leave the device now; it resends when back online
+            self._arm(proc, 0.0)
+            return
+        log.info("client %d resends %s %d: no reply within %gs (emulated)",
+                 self.client_id, type(pending).__name__, request, self._async.retry_s)
+        self._resend(proc)
+
+    def _resend(self, proc: BehaviourProcess) -> None:
         self.retries += 1
-        log.info("client %d resends %s %d: no reply within %gs (emulated); %d resends so far",
-                 self.client_id, type(pending).__name__, request, self._async.retry_s, self.retries)
-        proc.send(self._server, pending)
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        proc.send(self._server, self._pending)
         self._arm(proc, 0.0)
 
     def _answers(self, request: int, kinds: type | tuple, reply: object) -> bool:
@@ -239,15 +302,39 @@ class Client(Behaviour):
         return update_seed(self._async.seed, self._bases, self.client_id)
 
     def _train_async(self, proc: BehaviourProcess) -> None:
+        went_offline = self._offline_since(proc)
+        self._untrained = self._weights
+        self._updates += 1
+        self._trainings += 1
+        try:
+            with training.stop_when(went_offline):
+                self._local_update()
+                if went_offline():
+                    raise training.TrainingStopped
+        except training.TrainingStopped:
+            self._lose_local_update("during training")
+            return
+        start = self._async
+        slowdown = self.stragglers.slowdown(self.client_id, self._updates)
+        if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
+            self._request(proc, AgeRequest(self.client_id, self._age), self._hold(self._compute_s, slowdown))
+            return
+        model = self._cache.get(self.model_name)
+        started = time.perf_counter()
+        upload = self._upload(model, 0.0, slowdown)
+        # Encoding is the client's work too.
+        upload.compute_s = compute_s = self._compute_s + time.perf_counter() - started
+        self._request(proc, upload, self._hold(compute_s, slowdown))
+
+    def _local_update(self) -> None:
+        """One local update of w_k (E epochs from the current weights); sets _compute_s."""
         start = self._async
         started = time.perf_counter()
         model = self._cache.get(self.model_name)
         models.set_flat(model, self._weights)
         images, labels = self._data()
-        self._updates += 1
         generator = client_generator(start.seed, self._updates, self.client_id)
         codec = self._codec(model)
-        self._trainings += 1
         if codec is not None and codec.structured:
             # Train in the restricted space, as FedAvg's clients do.
             result = compressed_client_update(
@@ -264,14 +351,7 @@ class Client(Behaviour):
             weights = result.weights
         self.iterations += result.steps
         self._weights, self._loss = weights, result.train_loss
-        slowdown = self.stragglers.slowdown(self.client_id, self._updates)
-        if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
-            compute_s = time.perf_counter() - started
-            self._request(proc, AgeRequest(self.client_id, self._age), self._hold(compute_s, slowdown))
-            return
-        upload = self._upload(model, 0.0, slowdown)
-        upload.compute_s = compute_s = time.perf_counter() - started  # encoding is the client's work too
-        self._request(proc, upload, self._hold(compute_s, slowdown))
+        self._compute_s = time.perf_counter() - started
 
     def _upload(self, model: torch.nn.Module, compute_s: float, slowdown: float = 1.0) -> Upload:
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With

@@ -10,6 +10,8 @@ The thread count is deliberately left alone: the node decides it.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +24,32 @@ from .models import get_flat
 
 # Chunk size for full-data passes: bounds activation memory on big clients.
 _FULL_PASS_CHUNK = 2000
+
+
+class TrainingStopped(Exception):
+    """Raised from a training loop inside :func:`stop_when` once its condition holds."""
+
+
+_stop = threading.local()  # a pool thread trains one client at a time
+
+
+@contextlib.contextmanager
+def stop_when(should_stop: Callable[[], bool]):
+    """Within this block, training on this thread raises :class:`TrainingStopped` at
+    its next step once ``should_stop()`` is true: a client whose device went offline
+    stops there, as a real one would."""
+    previous = getattr(_stop, "check", None)
+    _stop.check = should_stop
+    try:
+        yield
+    finally:
+        _stop.check = previous
+
+
+def _stop_point() -> None:
+    check = getattr(_stop, "check", None)
+    if check is not None and check():
+        raise TrainingStopped
 
 
 @dataclass
@@ -95,6 +123,7 @@ def sgd_epochs(
         order = torch.randperm(count, generator=generator)
         epoch_losses = []
         for start in range(0, count, batch):
+            _stop_point()
             chosen = order[start : start + batch]
             step_lr = lr / (1.0 + lr_decay * (start_iteration + steps)) if lr_decay else lr
             for p in params:
@@ -161,6 +190,7 @@ def local_gradient(
     model.zero_grad(set_to_none=True)
     total_loss = 0.0
     for start in range(0, count, _FULL_PASS_CHUNK):
+        _stop_point()
         stop = min(start + _FULL_PASS_CHUNK, count)
         inputs = to_tensor_images(images_u8[start:stop])
         loss_sum = F.cross_entropy(model(inputs), targets[start:stop], reduction="sum")
@@ -243,6 +273,7 @@ def _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k) -> li
     params, anchor_params = list(model.parameters()), list(anchor.parameters())
     losses = []
     for i in order:
+        _stop_point()
         x, y = inputs[i : i + 1], targets[i : i + 1]
         loss = F.cross_entropy(model(x), y)
         grads = torch.autograd.grad(loss, params)
@@ -299,6 +330,7 @@ def _svrg_mlp(linears, anchor_linears, inputs, targets, order, full_views, h_k) 
                  for j, layer in enumerate(linears)]
         losses = []
         for i in order:
+            _stop_point()
             a, dz, loss = _mlp_backward(linears, inputs[i : i + 1], targets[i : i + 1])
             for (weight, bias, G_w, G_b), a_l, dz_l, a0, dz0 in zip(views, a, dz, anchor_a, anchor_dz):
                 weight.add_(G_w, alpha=-h_k).addr_(dz_l[0], a_l[0], alpha=-h_k).addr_(dz0[i], a0[i], alpha=h_k)
