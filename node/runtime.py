@@ -164,6 +164,14 @@ class Process:
             return None
         return self.node._timers.add(delay, (USER, self.pid, dst, body), self if unless_offline else None)
 
+    def has_message(self, match: Match) -> bool:
+        """Whether a message whose body matches is waiting in the mailbox, left there
+        (Erlang's ``receive ... after 0`` without taking it): how a long computation
+        notices it is no longer wanted."""
+        accept = _matcher(match)
+        with self._lock:
+            return any(accept(msg.body) for msg in self._mailbox)
+
     # --- runtime side ---------------------------------------------------------------
 
     def _deliver(self, msg: Message) -> None:

@@ -315,13 +315,15 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
     assert [body for _, body in arrivals] == ["plain"]  # "guarded" was lost with the device
 
 
-def test_a_client_that_goes_offline_stops_training_and_answers_again_once_back(procs):
-    """A client whose device goes offline mid-training stops at its next step and sends
-    nothing; back online, it is selected and answers again."""
+@pytest.mark.parametrize("how", ["offline", "cancel"])
+def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, how):
+    """A client whose device goes offline mid-training, or whose round closes without it
+    (a Cancel), stops at its next minibatch and sends nothing; then it is selected and
+    answers again."""
     from fedemu.worker.client import Client, _ModelCache
     from fedemu.worker.data import Dataset
     from fedemu.worker.models import build, get_flat
-    from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
+    from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (200, 28, 28), dtype=np.uint8), rng.integers(0, 10, 200)
@@ -333,6 +335,9 @@ def test_a_client_that_goes_offline_stops_training_and_answers_again_once_back(p
     def server(proc, epochs, wait_s):
         proc.send("client/0", TrainRequest(round=epochs, task=TRAIN, weights=weights, epochs=epochs,
                                            batch_size=10, lr=0.1, seed=1))
+        if how == "cancel" and epochs > 1:
+            time.sleep(1.0)  # well into it
+            proc.send("client/0", Cancel(round=epochs))
         msg = proc.receive(timeout=wait_s)
         got[epochs] = msg.body if msg else None
 
@@ -346,8 +351,9 @@ def test_a_client_that_goes_offline_stops_training_and_answers_again_once_back(p
         pair.client_node.spawn_behaviour(client, name="client/0", link=0)
         wait_for(lambda: pair.server_node.whereis("client/0"), "the client never registered")
         pair.server_node.spawn(server, 100_000, 5.0)  # hours of training
-        time.sleep(1.0)  # well into it
-        pair.server_node.set_links("0", offline=True)
+        if how == "offline":
+            time.sleep(1.0)  # well into it
+            pair.server_node.set_links("0", offline=True)
         wait_for(lambda: client.trainings_stopped == 1, "training did not stop")
         pair.server_node.set_links("0", offline=False)
         pair.server_node.spawn(server, 1, 20.0)

@@ -95,7 +95,7 @@ class Client(Behaviour):
         self._held_replies: dict = {}  # round -> the held-back TrainReply's timer (a slow device)
         self._retry_timer = None  # the pending request's RetryDue, cancelled when it is answered
         self.retries = 0  # requests resent for want of a reply
-        self.trainings_stopped = 0  # local updates cut short by the device going offline
+        self.trainings_stopped = 0  # local updates cut short: the device went offline, or a Cancel came
         self._stopped = False  # asynchronous: the last local update was lost; redo it when back online
         self._untrained: np.ndarray | None = None  # w_k before the local update in progress
         self._send_timer = None  # a request held back for a slow device's extra compute time
@@ -180,15 +180,22 @@ class Client(Behaviour):
 
     def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
         went_offline = self._offline_since(proc)
+
+        def cancelled() -> bool:  # over-selected, and the round closed without this client
+            return proc.has_message(lambda body: isinstance(body, Cancel) and body.round == request.round)
+
+        def unwanted() -> bool:
+            return went_offline() or cancelled()
+
         try:
-            with training.stop_when(went_offline):
+            with training.stop_when(unwanted):
                 reply = self._run_task(request)
                 if went_offline():
                     raise training.TrainingStopped
         except training.TrainingStopped:
             self.trainings_stopped += 1
-            log.info("client %d went offline during round %d's training: it stops and sends nothing",
-                     self.client_id, request.round)
+            log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
+                     "the round closed without it" if cancelled() else "it went offline")
             return
         # A slower device: hold the reply for the extra compute time it would have taken.
         held = proc.send_after(self._hold(reply.compute_s, reply.slowdown), sender, reply, unless_offline=True)
