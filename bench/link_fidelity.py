@@ -79,6 +79,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Behaviour, Broker, Node
 from fedemu.node.links import NetworkSpec
 from fedemu.node.wire import USER, encode, message_size
@@ -594,9 +595,9 @@ def main() -> None:
     parser.add_argument("--load", action="store_true",
                         help="run the grid again while one trainer process per core keeps every core busy")
     parser.add_argument("--load-only", action="store_true", help="only the loaded grid")
-    parser.add_argument("--trainer-nice", type=int, default=0,
-                        help="run the trainers at this nice level (default 0: as fedemu runs worker "
-                             "nodes today), to see what a lower training priority buys")
+    parser.add_argument("--trainer-nice", type=int, default=configuration.load(None)["run"]["pool_nice"],
+                        help="run the trainers at this nice level (default: run.pool_nice's default, as "
+                             "fedemu runs worker nodes' training), to see what training's priority does")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds to spend per grid point (default 8, quick 2); a minimum sample "
                              "count may exceed it")
@@ -648,7 +649,7 @@ def main() -> None:
                 "trainer_cores_busy": round(cores, 2),
                 "points": [{k: v for k, v in asdict(p).items() if k != "arrivals"} for p in points]}
             passed = sum(p.ok for p in points)
-            note = f", trainers kept {cores:.2f} cores busy" if trainers else ""
+            note = f", trainers at nice {args.trainer_nice} kept {cores:.2f} cores busy" if trainers else ""
             print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}")
             print(table(points))
             if args.diagnose:

@@ -60,8 +60,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=_non_negative, rule=">= 0"),
         "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=_non_negative, rule=">= 0"),
         "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=_positive, rule="> 0"),
-        "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes (0: none); "
-                         "> 0 lets message I/O preempt training, for tighter link timing on busy cores",
+        "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes; > 0 lets "
+                         "message I/O preempt training, for tighter link timing on busy cores (0: none)",
                          check=lambda v: 0 <= v <= 19, rule="in 0..19"),
         "restart_clients": Key(int, "times a worker node's supervisor restarts a crashed client (0: never)",
                                check=_non_negative, rule=">= 0"),
