@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--at-emulated-s", type=float, nargs="*", default=[])
     args = parser.parse_args()
-    head = ["run", "algorithm", "rounds", "uploads", "final acc", "best acc", "MB up", "emulated s"]
+    head = ["run", "algorithm", "rounds", "uploads", "final acc", "best acc", "MB up", "emulated s",
+            "mean round s", "stragglers per round"]
     head += [f"best acc by {t:g} s" for t in args.at_emulated_s]
     print("| " + " | ".join(head) + " |")
     print("|" + " --- |" * len(head))
@@ -38,6 +39,10 @@ def main() -> None:
         row = [run.name, config["algorithm"]["name"], summary["rounds"], summary.get("uploads", ""),
                f"{summary['final_accuracy']:.4f}", f"{summary['best_accuracy']:.4f}",
                f"{summary['bytes_up'] / 1e6:.0f}", f"{rounds[-1]['emulated_s'] - start:.0f}" if rounds else ""]
+        # Synchronous rounds only: an asynchronous run's "rounds" are evaluation points.
+        synchronous = rounds and "stragglers" in rounds[0]
+        row.append(f"{sum(e['round_s'] for e in rounds) / len(rounds):.2f}" if synchronous else "")
+        row.append(f"{sum(len(e['stragglers']) for e in rounds) / len(rounds):.2f}" if synchronous else "")
         for t in args.at_emulated_s:
             acc = accuracy_at(rounds, t) if rounds else None
             row.append("" if acc is None else f"{acc:.4f}")
