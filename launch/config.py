@@ -105,8 +105,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "server_lr": Key(float, "FedBuff server learning rate", check=_positive, rule="> 0"),
         "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=_positive, rule="> 0"),
         "retry_s": Key(float, "asynchronous rules: emulated seconds a client waits for a reply before it resends "
-                       "its request (and the server its AsyncStart); must exceed a model's round trip over the "
-                       "slowest link plus server queueing", check=_positive, rule="> 0 (emulated seconds)"),
+                       "its request (and the server its AsyncStart), doubling with each resend up to 8x; must "
+                       "exceed a model's round trip over the slowest link plus server queueing",
+                       check=_positive, rule="> 0 (emulated seconds)"),
     },
 }
 

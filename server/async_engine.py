@@ -18,7 +18,8 @@ the decoded delta; CO-OP and FedAsync merge weights, so the server keeps the mod
 sent each client and adds it back. A sketch is unbiased in the delta, hence in the weights.
 
 Messages can be lost (link loss, a client offline). Each client request carries an id and
-the client resends it until the reply with that id comes (``retry_s``); the server answers
+the client resends it until the reply with that id comes (after ``retry_s``, then twice as
+long each time, up to 8x: ``protocol.retry_wait``); the server answers
 a request it has answered already again (with compression, the very same model), without
 merging or counting it again, and resends AsyncStart to a client it has not heard from. Models are numbered by the
 server (``sent``) and the number travels with the model, so both sides agree on an
@@ -36,7 +37,7 @@ from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
-                                    WorkerReady)
+                                    WorkerReady, retry_wait)
 
 from .engine import Engine, Settings
 from .runlog import RunLog
@@ -142,8 +143,9 @@ class AsyncEngine(Engine):
         # runs) the ModelReply it got, to send again; see _reply_model.
         self.answered: dict[int, int] = {}
         self.replies: dict[int, ModelReply | None] = {}
-        # Clients not heard from since their AsyncStart: that message, and when to resend it.
-        self.unheard: dict[int, tuple[AsyncStart, float]] = {}
+        # Clients not heard from since their AsyncStart: that message, when to resend it,
+        # and how many times it was resent (each wait is longer: protocol.retry_wait).
+        self.unheard: dict[int, tuple[AsyncStart, float, int]] = {}
         self.retry_wall_s = settings.retry_s / settings.time_scale
         self.duplicates = 0  # repeated requests seen since the last evaluation
         self.starts_resent = 0  # AsyncStarts resent since the last evaluation
@@ -171,19 +173,19 @@ class AsyncEngine(Engine):
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
             compression=s.compression if self.codec else None, retry_s=s.retry_s)
         self._send_model(proc, k, self.pids[k], start)
-        self.unheard[k] = (start, time.monotonic() + self.retry_wall_s)
+        self.unheard[k] = (start, time.monotonic() + self.retry_wall_s, 0)
 
     def _resend_starts(self, proc: ThreadProcess) -> float:
         """Resend AsyncStart (the same message: same model number) to every client not
         heard from within the retry interval; returns when the next one is due."""
         now = time.monotonic()
-        for k, (start, due) in list(self.unheard.items()):
+        for k, (start, due, resends) in list(self.unheard.items()):
             if due <= now:
                 proc.send(self.pids[k], start)
-                self.unheard[k] = (start, now + self.retry_wall_s)
+                self.unheard[k] = (start, now + retry_wait(self.retry_wall_s, resends + 1), resends + 1)
                 self.starts_resent += 1
                 log.info("client %d not heard from since its start: AsyncStart resent", k)
-        return min((due for _, due in self.unheard.values()), default=math.inf)
+        return min((due for _, due, _ in self.unheard.values()), default=math.inf)
 
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings

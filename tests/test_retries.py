@@ -26,7 +26,7 @@ from fedemu.worker.client import Client, _ModelCache
 from fedemu.worker.compression import CompressionSpec
 from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import (
-    AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload,
+    AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload, retry_wait,
 )
 from fedemu.worker.stragglers import StragglerSpec
 
@@ -187,7 +187,7 @@ class _Device:
 
     def __init__(self):
         self.offline, self.offline_count = False, 0
-        self.sent, self.held = [], []
+        self.sent, self.held, self.delays = [], [], []
 
     def send(self, dst, body) -> None:
         self.sent.append(body)
@@ -196,6 +196,7 @@ class _Device:
         if delay <= 0:
             self.send(dst, body)
             return None
+        self.delays.append(delay)
         self.held.append((body, self.Timer()))
         return self.held[-1][1]
 
@@ -243,6 +244,19 @@ def test_an_async_client_stops_training_offline_and_resends_its_pending_request_
     assert client.trainings_stopped == 1 and client._updates == 2 and len(device.sent) == 2  # stopped at once
     device.switch(client, offline=False)  # back: the lost update is run again
     assert [type(b) for b in device.sent[2:]] == [AgeRequest] and client._updates == 3
+
+
+def test_each_resend_of_a_request_waits_twice_as_long_up_to_8x_and_a_reconnect_starts_over():
+    client, _, device = _async_client()  # retry_s = 60
+    [ask] = device.sent
+    for _ in range(5):
+        client.handle(device, Message(device.pid, RetryDue(ask.request)))
+    assert device.sent == [ask] * 6
+    assert device.delays == [60, 120, 240, 480, 480, 480]
+    device.switch(client, offline=True)
+    device.switch(client, offline=False)  # back online: resent at once, and the wait starts over
+    assert device.sent == [ask] * 7 and device.delays[-1] == 60
+    assert retry_wait(60, 0) == 60 and retry_wait(60, 10) == 480  # the rule the server's AsyncStart resends follow
 
 
 class LossyLoop:

@@ -18,7 +18,7 @@ from . import models, training
 from .data import Dataset
 from .protocol import (
     GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
-    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name,
+    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .stragglers import StragglerSpec
@@ -95,6 +95,7 @@ class Client(Behaviour):
         self._held_replies: dict = {}  # round -> the held-back TrainReply's timer (a slow device)
         self._retry_timer = None  # the pending request's RetryDue, cancelled when it is answered
         self.retries = 0  # requests resent for want of a reply
+        self._resends = 0  # of the pending request: each further wait for its reply is longer
         self.trainings_stopped = 0  # local updates cut short: the device went offline, or a Cancel came
         self._stopped = False  # asynchronous: the last local update was lost; redo it when back online
         self._untrained: np.ndarray | None = None  # w_k before the local update in progress
@@ -157,7 +158,7 @@ class Client(Behaviour):
         elif self._pending is not None:  # reconnected: no need to wait for the retry timer
             log.info("client %d is back online and resends %s %d", self.client_id, type(self._pending).__name__,
                      self._pending.request)
-            self._resend(proc)
+            self._resend(proc, backoff=False)  # the silence was the device's, not a congested server's
 
     @staticmethod
     def _offline_since(proc: BehaviourProcess):
@@ -258,14 +259,14 @@ class Client(Behaviour):
     def _request(self, proc: BehaviourProcess, request: AgeRequest | FetchRequest | Upload, hold: float = 0.0) -> None:
         self._request_id += 1
         request.request = self._request_id
-        self._pending = request
+        self._pending, self._resends = request, 0
         self._send_timer = proc.send_after(hold, self._server, request, unless_offline=True)
         self._arm(proc, hold)
 
     def _arm(self, proc: BehaviourProcess, hold: float) -> None:
         if self._async.retry_s > 0:
-            self._retry_timer = proc.send_after(hold + self._async.retry_s / self.time_scale, proc.pid,
-                                                RetryDue(self._pending.request))
+            wait = retry_wait(self._async.retry_s, self._resends) / self.time_scale
+            self._retry_timer = proc.send_after(hold + wait, proc.pid, RetryDue(self._pending.request))
 
     def _retry(self, proc: BehaviourProcess, request: int) -> None:
         pending = self._pending
@@ -274,12 +275,13 @@ class Client(Behaviour):
         if proc.offline:  # nothing can leave the device now; it resends when back online
             self._arm(proc, 0.0)
             return
-        log.info("client %d resends %s %d: no reply within %gs (emulated)",
-                 self.client_id, type(pending).__name__, request, self._async.retry_s)
+        log.info("client %d resends %s %d: no reply within %gs (emulated)", self.client_id, type(pending).__name__,
+                 request, retry_wait(self._async.retry_s, self._resends))
         self._resend(proc)
 
-    def _resend(self, proc: BehaviourProcess) -> None:
+    def _resend(self, proc: BehaviourProcess, backoff: bool = True) -> None:
         self.retries += 1
+        self._resends = self._resends + 1 if backoff else 0
         if self._retry_timer is not None:
             self._retry_timer.cancel()
         proc.send(self._server, self._pending)

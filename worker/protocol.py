@@ -135,6 +135,17 @@ class TrainAgain:
     """A client's note to itself: run another local update (CO-OP over-active)."""
 
 
+# A request unanswered after retry_s is resent, and each further resend of it waits twice
+# as long, up to this many doublings: a congested server (or its uplink) is not buried
+# in repeats, each of which may cost it a model's worth of bytes.
+RETRY_DOUBLINGS = 3
+
+
+def retry_wait(retry_s: float, resends: int) -> float:
+    """Seconds to wait for a reply after ``resends`` resends of the same message."""
+    return retry_s * 2 ** min(resends, RETRY_DOUBLINGS)
+
+
 @message
 class RetryDue:
     """A client's timer: if request ``request`` is still unanswered, resend it."""
