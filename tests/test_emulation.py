@@ -315,6 +315,40 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
     assert [body for _, body in arrivals] == ["plain"]  # "guarded" was lost with the device
 
 
+def test_a_clients_node_hears_of_its_per_round_drop_outs_at_each_round(procs):
+    """Per-round drop-outs are decided when the server announces a round: the client's
+    node must hear of each change then, matching the seeded decisions."""
+    from fedemu.node.links import NetworkSpec
+
+    network = {"dropout": {"per_round": 0.5, "clients": "0"}}
+    expected_spec = NetworkSpec.from_config(network, num_clients=4, run_seed=1)
+    expected = [expected_spec.availability.offline(0, 0.0, r) for r in range(1, 9)]
+    assert True in expected and False in expected  # the seed gives both; else pick another
+    pair = Pair(start_broker(procs, network))
+    owner: list = []
+
+    def client(proc):
+        owner.append(proc)
+        proc.receive(timeout=20)
+
+    seen = []
+    try:
+        pair.client_node.spawn(client, name="client/0", link=0)
+        deadline = time.monotonic() + 5
+        while not owner or pair.server_node.whereis("client/0") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for r in range(1, 9):
+            pair.server_node.announce_round(r)
+            time.sleep(0.3)  # the notice is one hop away
+            seen.append(owner[0].offline)
+    finally:
+        pair.close()
+    assert seen == expected
+    went_offline = sum(1 for before, now in zip([False] + expected, expected) if now and not before)
+    assert owner[0].offline_count == went_offline
+
+
 @pytest.mark.parametrize("how", ["offline", "cancel"])
 def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, how):
     """A client whose device goes offline mid-training, or whose round closes without it
