@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid
+from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid, Process
 
 from .realprocs import Procs
 from .test_launch import launch, wait_for_round
@@ -62,9 +62,29 @@ class Pair:
             time.sleep(0.05)
         return self.arrivals
 
+    def link_owner(self, life_s: float) -> Process:
+        """A thread process on the client node that owns link 0 as client/0 and lives
+        ``life_s`` seconds; returned once the server node can find it."""
+        owner: list = []
+
+        def client(proc):
+            owner.append(proc)
+            proc.receive(timeout=life_s)
+
+        self.client_node.spawn(client, name="client/0", link=0)
+        wait_for(lambda: owner and self.server_node.whereis("client/0"), "client/0 never registered")
+        return owner[0]
+
     def close(self) -> None:
         self.client_node.close()
         self.server_node.close()
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -271,7 +291,6 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
     window = (5.0, 6.0)  # emulated seconds from the broker's start
     pair = Pair(start_broker(procs, {"dropout": {"windows": [{"clients": "0", "start_s": window[0],
                                                                 "end_s": window[1]}]}}))
-    owner: list = []
     heard: list = []
 
     class Device(Behaviour):
@@ -281,20 +300,11 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
         def link_changed(self, proc, offline):
             heard.append(offline)
 
-    def client(proc):
-        owner.append(proc)
-        proc.receive(timeout=15)
-
     try:
         now = pair.server_node.broker_stats()["emulated_s"]
         assert now < window[0] - 1, f"the broker took {now:.1f}s to get here; the window is at {window[0]}s"
-        pair.client_node.spawn(client, name="client/0", link=0)
         pair.client_node.spawn_behaviour(Device(), name="client/1", link=0)  # a second owner of link 0
-        deadline = time.monotonic() + 5
-        while not owner:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        proc = owner[0]
+        proc = pair.link_owner(life_s=15)
         due_after_window = window[1] + 0.5 - now
         proc.send_after(due_after_window, "server", "guarded", unless_offline=True)
         proc.send_after(due_after_window, "server", "plain")
@@ -325,28 +335,18 @@ def test_a_clients_node_hears_of_its_per_round_drop_outs_at_each_round(procs):
     expected = [expected_spec.availability.offline(0, 0.0, r) for r in range(1, 9)]
     assert True in expected and False in expected  # the seed gives both; else pick another
     pair = Pair(start_broker(procs, network))
-    owner: list = []
-
-    def client(proc):
-        owner.append(proc)
-        proc.receive(timeout=20)
-
     seen = []
     try:
-        pair.client_node.spawn(client, name="client/0", link=0)
-        deadline = time.monotonic() + 5
-        while not owner or pair.server_node.whereis("client/0") is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        owner = pair.link_owner(life_s=20)
         for r in range(1, 9):
             pair.server_node.announce_round(r)
             time.sleep(0.3)  # the notice is one hop away
-            seen.append(owner[0].offline)
+            seen.append(owner.offline)
     finally:
         pair.close()
     assert seen == expected
     went_offline = sum(1 for before, now in zip([False] + expected, expected) if now and not before)
-    assert owner[0].offline_count == went_offline
+    assert owner.offline_count == went_offline
 
 
 @pytest.mark.parametrize("how", ["offline", "cancel"])
@@ -374,12 +374,6 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
             proc.send("client/0", Cancel(round=epochs))
         msg = proc.receive(timeout=wait_s)
         got[epochs] = msg.body if msg else None
-
-    def wait_for(condition, what):
-        deadline = time.monotonic() + 20
-        while not condition():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.02)
 
     try:
         pair.client_node.spawn_behaviour(client, name="client/0", link=0)

@@ -182,8 +182,11 @@ class Client(Behaviour):
     def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
         went_offline = self._offline_since(proc)
 
+        def cancels_this_round(body: object) -> bool:
+            return isinstance(body, Cancel) and body.round == request.round
+
         def cancelled() -> bool:  # over-selected, and the round closed without this client
-            return proc.has_message(lambda body: isinstance(body, Cancel) and body.round == request.round)
+            return proc.has_message(cancels_this_round)
 
         def unwanted() -> bool:
             return went_offline() or cancelled()

@@ -43,8 +43,8 @@ class TrainReply:
 
 @message
 class Cancel:
-    """An over-selected round closed without this client's reply: a reply it still
-    holds back (a slow device) is not sent, so it costs no upload."""
+    """An over-selected round closed without this client's reply: a training still
+    running stops, and a reply it holds back (a slow device) is not sent."""
 
     round: int
 
@@ -53,7 +53,8 @@ class Cancel:
 #
 # Request/reply, exactly once: each request (AgeRequest, FetchRequest, Upload) carries the
 # client's next request id, and the reply (AgeReply, ModelReply) echoes it. A client that
-# gets no reply within AsyncStart.retry_s resends the same request; the server answers a
+# gets no reply within AsyncStart.retry_s resends the same request (each further wait is
+# longer: retry_wait); the server answers a
 # repeat with its stored reply instead of merging again. Models are numbered by the
 # server (``model``): the client never has to count what it received.
 
