@@ -38,7 +38,12 @@ being every frame of the message (header, body, array), computed by encoding it 
   its own link: the model's time is again that of an isolated message.
 
 With latency 0 and unlimited bandwidth the model says 0 s (the broker then skips the
-model altogether): that row measures the pure relay and pickup cost, the floor.
+model altogether): that row measures fedemu's relay and pickup cost. Each condition
+also measures the *floor* under it: isolated 1 KB and 800 KB messages through
+``bench/bare_relay.py`` (a minimal pyzmq ROUTER relay) between two processes, with one
+thread hand-off on each side and nothing of fedemu's. No relay through these
+processes on this machine delivers faster; a p99 target below the floor's p99 is out
+of any such relay's reach.
 
 How fedemu delivers on time: the sender stamps its send time (in the broker's clock)
 in the header; the broker starts the model's clock there, decides the verdict and
@@ -68,9 +73,11 @@ import os
 import platform
 import queue
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -499,6 +506,164 @@ def measure(setting: Setting, condition: str, size: str, concurrency: int, budge
                  [round(float(e), 4) for e in errors], arrivals=arrivals)
 
 
+# --- the floor: the same relay path with none of fedemu's work -------------------------------
+#
+# bench/bare_relay.py (a minimal pyzmq ROUTER relay) between two processes, with the
+# thread hand-offs any actor runtime with an I/O thread has: the sending thread stamps
+# and hands the message to an I/O thread; the receiving I/O thread hands it to the
+# thread that stamps it. No codec, no link model, no holding. What a fedemu delivery
+# with a zero model time costs beyond this is fedemu's; the rest is the machine's.
+
+FLOOR_SIZES = ("1KB", "800KB")
+FLOOR_SAMPLES = 200
+FLOOR_RX, FLOOR_TX = b"floor-rx", b"floor-tx"
+FLOOR_STAMP = struct.Struct("<qd")  # seq, t_send
+
+
+def run_floor_sender(endpoint: str) -> None:
+    """`--role floor-sender`: for each stdin line {"seq", "floats"}, stamp and hand one
+    message to the I/O thread, which sends it to the receiver through the bare relay."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, FLOOR_TX)
+    sock.connect(endpoint)
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def io() -> None:
+        while (frames := outbox.get()) is not None:
+            sock.send_multipart(frames, copy=False)
+
+    thread = threading.Thread(target=io, name="floor-io")
+    thread.start()
+    payloads: dict[int, np.ndarray] = {}
+    print("ready", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        data = payloads.setdefault(job["floats"], np.ones(job["floats"], np.float32))
+        outbox.put([FLOOR_RX, FLOOR_STAMP.pack(job["seq"], time.monotonic()), data])
+    outbox.put(None)
+    thread.join()
+    sock.close(linger=1000)
+    ctx.term()
+
+
+class Floor:
+    """The bare relay and the floor sender as processes; the receiver in this process."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir / "floor"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[subprocess.Popen] = []
+        endpoint_file = self.workdir / "relay.endpoint"
+        self._start("relay", [str(Path(__file__).resolve().parent / "bare_relay.py"),
+                              "--endpoint-file", str(endpoint_file)])
+        deadline = time.monotonic() + 30
+        while not endpoint_file.exists():
+            if self.processes[0].poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"bare relay did not start; see {self.workdir}")
+            time.sleep(0.02)
+        endpoint = endpoint_file.read_text().strip()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, FLOOR_RX)
+        self._sock.connect(endpoint)
+        self._handoff: queue.SimpleQueue = queue.SimpleQueue()
+        self.arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (seq, t_send, t_recv)
+        self._threads = [threading.Thread(target=self._io, name="floor-rx-io", daemon=True),
+                         threading.Thread(target=self._process, name="floor-rx", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        self.sender = self._start("sender", [str(Path(__file__).resolve()), "--role", "floor-sender",
+                                             "--endpoint", endpoint], stdin=subprocess.PIPE)
+        if self.sender.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"floor sender did not start; see {self.workdir / 'sender.log'}")
+        self._seq = 0
+
+    def _start(self, name: str, argv: list[str], stdin=subprocess.DEVNULL) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, *argv], stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=log, text=True)
+        self.processes.append(proc)
+        return proc
+
+    def _io(self) -> None:
+        try:
+            while True:
+                self._handoff.put(self._sock.recv_multipart(copy=False))
+        except zmq.ContextTerminated:  # close(): the socket is this thread's to close
+            self._sock.close(linger=0)
+            self._handoff.put(None)
+
+    def _process(self) -> None:
+        while (frames := self._handoff.get()) is not None:
+            t_recv = time.monotonic()
+            seq, t_send = FLOOR_STAMP.unpack(frames[0].bytes)
+            self.arrivals.put((seq, t_send, t_recv))
+
+    def delivery_s(self, floats: int, timeout_s: float = 5.0) -> float | None:
+        """Send one message and wait for it; its delivery time, or None if the relay
+        dropped it (it does until the receiver's connection is up)."""
+        seq = self._seq
+        self._seq += 1
+        self.sender.stdin.write(json.dumps({"seq": seq, "floats": floats}) + "\n")
+        self.sender.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                got, t_send, t_recv = self.arrivals.get(timeout=left)
+            except queue.Empty:
+                break
+            if got == seq:
+                return t_recv - t_send
+        return None
+
+    def close(self) -> None:
+        if getattr(self, "sender", None) is not None and self.sender.stdin:
+            self.sender.stdin.close()
+        for proc in reversed(self.processes):  # sender first, relay last
+            if proc.poll() is None and proc is not getattr(self, "sender", None):
+                proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+
+
+def measure_floor(workdir: Path) -> dict[str, dict[str, float]]:
+    """Median and p99 ms of an isolated delivery through the floor, per size."""
+    floor = Floor(workdir)
+    try:
+        warm_until = time.monotonic() + 30  # until the relay knows the receiver, it drops
+        while floor.delivery_s(SIZES["1KB"], timeout_s=0.2) is None:
+            if time.monotonic() > warm_until:
+                raise RuntimeError(f"nothing crossed the bare relay within 30 s; see {floor.workdir}")
+        result = {}
+        for size in FLOOR_SIZES:
+            for _ in range(WARMUP_MESSAGES):
+                floor.delivery_s(SIZES[size])
+            ms = [1000 * d for d in (floor.delivery_s(SIZES[size]) for _ in range(FLOOR_SAMPLES)) if d is not None]
+            result[size] = {"n": len(ms), "median_ms": round(float(np.median(ms)), 3),
+                            "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+        return result
+    finally:
+        floor.close()
+
+
+def floor_line(condition: str, floor: dict[str, dict[str, float]]) -> str:
+    sizes = "; ".join(f"{size} median {f['median_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms (n={f['n']})"
+                      for size, f in floor.items())
+    return (f"{condition} floor (bench/bare_relay.py between two processes, one thread hand-off each side, "
+            f"no emulation; compare the 0 ms / unlimited rows at concurrency 1): {sizes}")
+
+
+
 # --- the grid ---------------------------------------------------------------------------------
 
 
@@ -608,7 +773,7 @@ def main() -> None:
                         help="how nodes reach the broker: TCP on loopback (the issue's setting, default) "
                              "or a Unix socket, for comparison")
     parser.add_argument("--json", type=Path, help="write every figure (and each error sample) here")
-    parser.add_argument("--role", choices=("bench", "sender", "trainer", "broker"), default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("bench", "sender", "trainer", "broker", "floor-sender"), default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--bind", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -617,6 +782,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "sender":
         return run_sender(args.endpoint, args.stamps)
+    if args.role == "floor-sender":
+        return run_floor_sender(args.endpoint)
     if args.role == "broker":
         return run_instrumented_broker(args.bind, Path(args.endpoint), args.network_file, args.stamps)
     if args.role == "trainer":
@@ -639,6 +806,7 @@ def main() -> None:
         for condition in conditions:
             trainers = Trainers(workdir, os.cpu_count() or 2, args.trainer_nice) if condition == "load" else None
             try:
+                floor = measure_floor(workdir / condition)
                 points = run_grid(condition, workdir, latencies, bandwidths, sizes, budget_s, args.diagnose,
                                   args.transport)
                 cores = trainers.cores_used() if trainers else 0.0
@@ -646,12 +814,13 @@ def main() -> None:
                 if trainers:
                     trainers.close()
             report["conditions"][condition] = {
-                "trainer_cores_busy": round(cores, 2),
+                "trainer_cores_busy": round(cores, 2), "floor": floor,
                 "points": [{k: v for k, v in asdict(p).items() if k != "arrivals"} for p in points]}
             passed = sum(p.ok for p in points)
             note = f", trainers at nice {args.trainer_nice} kept {cores:.2f} cores busy" if trainers else ""
             print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}")
             print(table(points))
+            print(floor_line(condition, floor))
             if args.diagnose:
                 print(f"\n{condition}: where the error goes, median / p99 ms (the relay's hops, which "
                       f"overlap the model's delay -- sender: t_send to its I/O thread's zmq send; "
