@@ -310,6 +310,37 @@ class Arrival:
     wire_bytes: int
 
 
+class Collector:
+    """What a receiving thread got, handed to the measuring thread once a whole step has
+    arrived: one wake-up per step, not per message, so in a burst the measuring thread
+    does not compete with the receiving ones (a server gets no such extra work)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._wanted = 0
+        self._complete = threading.Event()
+
+    def expect(self, count: int) -> None:
+        """Start a step of ``count`` items (before ordering them sent)."""
+        with self._lock:
+            self._items, self._wanted = [], count
+            self._complete.clear()
+
+    def add(self, item) -> None:
+        with self._lock:
+            self._items.append(item)
+            if len(self._items) >= self._wanted:
+                self._complete.set()
+
+    def wait(self, timeout_s: float) -> list:
+        """The step's items once all arrived, or what arrived within ``timeout_s``."""
+        self._complete.wait(timeout_s)
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
 class Setting:
     """A broker emulating one link profile on all 100 links, the sender helper
     process and the receiver node in this process."""
@@ -346,7 +377,7 @@ class Setting:
                 raise RuntimeError(f"broker did not start; see {self.workdir}")
             time.sleep(0.02)
         endpoint = endpoint_file.read_text().strip()
-        self.arrivals: queue.Queue = queue.Queue()  # (t_recv, message)
+        self.arrivals = Collector()  # (t_recv, message)
         self.receiver_io: dict[int, float] | None = {} if diagnose else None
         self.receiver_node = instrumented_node("bench-rx", endpoint, self.receiver_io)
         self._receiving = True
@@ -373,7 +404,7 @@ class Setting:
                 continue
             t_recv = time.monotonic()  # first thing: what follows must not count
             # Nothing else here: in a burst, work done now would delay the next stamp.
-            self.arrivals.put((t_recv, msg))
+            self.arrivals.add((t_recv, msg))
 
     def model_s(self, wire_bytes: int) -> float:
         return (wire_bytes + OVERHEAD_BYTES) / self.bandwidth + self.latency_ms / 1000
@@ -382,18 +413,14 @@ class Setting:
         """One message from each of ``links`` at the same moment; their arrivals."""
         seq0 = self._seq
         self._seq += len(links)
+        self.arrivals.expect(len(links))
         self.sender.stdin.write(json.dumps({"links": links, "floats": floats, "seq0": seq0}) + "\n")
         self.sender.stdin.flush()
-        got: list = []
-        deadline = time.monotonic() + timeout_s
-        while len(got) < len(links):
-            try:
-                t_recv, msg = self.arrivals.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"{len(links) - len(got)} of {len(links)} messages did not arrive "
-                                   f"within {timeout_s:.0f}s; see {self.workdir}") from None
-            if msg.body["seq"] >= seq0:  # anything older belongs to an earlier, failed step
-                got.append((t_recv, msg))
+        # anything older belongs to an earlier, failed step
+        got = [(t_recv, msg) for t_recv, msg in self.arrivals.wait(timeout_s) if msg.body["seq"] >= seq0]
+        if len(got) < len(links):
+            raise RuntimeError(f"{len(links) - len(got)} of {len(links)} messages did not arrive "
+                               f"within {timeout_s:.0f}s; see {self.workdir}")
         # Exactly the bytes the broker counted: the sender's frames, re-encoded (after
         # the whole step arrived, so it never delays a receive).
         return [Arrival(msg.body["seq"], msg.body["link"], msg.body["t_send"], t_recv,
@@ -448,6 +475,10 @@ class Point:
     target_ms: float
     ok: bool
     errors_ms: list[float] = field(repr=False)
+    # The floor's p99 delivery for this size and concurrency, and whether a relay that
+    # fast could meet the target here (floor p99 <= model time + target).
+    floor_p99_ms: float | None = None
+    reachable: bool | None = None
     # --diagnose: median and p99 ms of each hop and each part of the error (the parts
     # add up to the error per message)
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -514,15 +545,15 @@ def measure(setting: Setting, condition: str, size: str, concurrency: int, budge
 # thread that stamps it. No codec, no link model, no holding. What a fedemu delivery
 # with a zero model time costs beyond this is fedemu's; the rest is the machine's.
 
-FLOOR_SIZES = ("1KB", "800KB")
-FLOOR_SAMPLES = 200
+FLOOR_BUDGET_S = 2.0  # per size at concurrency 1 (6.6 MB: ~80 messages)
 FLOOR_RX, FLOOR_TX = b"floor-rx", b"floor-tx"
 FLOOR_STAMP = struct.Struct("<qd")  # seq, t_send
 
 
 def run_floor_sender(endpoint: str) -> None:
-    """`--role floor-sender`: for each stdin line {"seq", "floats"}, stamp and hand one
-    message to the I/O thread, which sends it to the receiver through the bare relay."""
+    """`--role floor-sender`: for each stdin line {"seq0", "count", "floats"}, stamp and
+    hand ``count`` messages, one after the other, to the I/O thread, which sends them to
+    the receiver through the bare relay."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, FLOOR_TX)
@@ -540,7 +571,8 @@ def run_floor_sender(endpoint: str) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         data = payloads.setdefault(job["floats"], np.ones(job["floats"], np.float32))
-        outbox.put([FLOOR_RX, FLOOR_STAMP.pack(job["seq"], time.monotonic()), data])
+        for seq in range(job["seq0"], job["seq0"] + job["count"]):  # as many clients, each stamping its own
+            outbox.put([FLOOR_RX, FLOOR_STAMP.pack(seq, time.monotonic()), data])
     outbox.put(None)
     thread.join()
     sock.close(linger=1000)
@@ -569,7 +601,7 @@ class Floor:
         self._sock.setsockopt(zmq.ROUTING_ID, FLOOR_RX)
         self._sock.connect(endpoint)
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()
-        self.arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (seq, t_send, t_recv)
+        self.arrivals = Collector()  # (seq, t_send, t_recv)
         self._threads = [threading.Thread(target=self._io, name="floor-rx-io", daemon=True),
                          threading.Thread(target=self._process, name="floor-rx", daemon=True)]
         for thread in self._threads:
@@ -600,24 +632,17 @@ class Floor:
         while (frames := self._handoff.get()) is not None:
             t_recv = time.monotonic()
             seq, t_send = FLOOR_STAMP.unpack(frames[0].bytes)
-            self.arrivals.put((seq, t_send, t_recv))
+            self.arrivals.add((seq, t_send, t_recv))
 
-    def delivery_s(self, floats: int, timeout_s: float = 5.0) -> float | None:
-        """Send one message and wait for it; its delivery time, or None if the relay
-        dropped it (it does until the receiver's connection is up)."""
-        seq = self._seq
-        self._seq += 1
-        self.sender.stdin.write(json.dumps({"seq": seq, "floats": floats}) + "\n")
+    def deliveries_s(self, floats: int, count: int, timeout_s: float) -> list[float]:
+        """Send ``count`` messages at once and wait for them; their delivery times (fewer
+        if the relay dropped some: it does until the receiver's connection is up)."""
+        seq0 = self._seq
+        self._seq += count
+        self.arrivals.expect(count)
+        self.sender.stdin.write(json.dumps({"seq0": seq0, "count": count, "floats": floats}) + "\n")
         self.sender.stdin.flush()
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                got, t_send, t_recv = self.arrivals.get(timeout=left)
-            except queue.Empty:
-                break
-            if got == seq:
-                return t_recv - t_send
-        return None
+        return [t_recv - t_send for seq, t_send, t_recv in self.arrivals.wait(timeout_s) if seq >= seq0]
 
     def close(self) -> None:
         if getattr(self, "sender", None) is not None and self.sender.stdin:
@@ -636,31 +661,37 @@ class Floor:
             self._ctx.term()
 
 
-def measure_floor(workdir: Path) -> dict[str, dict[str, float]]:
-    """Median and p99 ms of an isolated delivery through the floor, per size."""
+def measure_floor(workdir: Path, sizes) -> dict[tuple[str, int], dict[str, float]]:
+    """Median and p99 ms of a delivery through the floor, per size and concurrency
+    (at concurrency 100, one sender sends 100 messages at once)."""
     floor = Floor(workdir)
     try:
-        warm_until = time.monotonic() + 30  # until the relay knows the receiver, it drops
-        while floor.delivery_s(SIZES["1KB"], timeout_s=0.2) is None:
+        warm_until = time.monotonic() + 30
+        while not floor.deliveries_s(SIZES["1KB"], 1, timeout_s=0.2):
             if time.monotonic() > warm_until:
                 raise RuntimeError(f"nothing crossed the bare relay within 30 s; see {floor.workdir}")
         result = {}
-        for size in FLOOR_SIZES:
-            for _ in range(WARMUP_MESSAGES):
-                floor.delivery_s(SIZES[size])
-            ms = [1000 * d for d in (floor.delivery_s(SIZES[size]) for _ in range(FLOOR_SAMPLES)) if d is not None]
-            result[size] = {"n": len(ms), "median_ms": round(float(np.median(ms)), 3),
-                            "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+        for size in sizes:
+            floats = SIZES[size]
+            relay_s = floats * 4 / LOOPBACK_BYTES_PER_S
+            for concurrency in CONCURRENCIES:
+                timeout_s = 60 + 10 * concurrency * relay_s
+                floor.deliveries_s(floats, concurrency, timeout_s)  # warm-up
+                steps = MAX_BURSTS if concurrency > 1 else max(MIN_SAMPLES_SERIAL, min(
+                    MAX_SAMPLES_SERIAL, int(FLOOR_BUDGET_S / (relay_s + 0.002))))
+                ms = [1000 * d for _ in range(steps) for d in floor.deliveries_s(floats, concurrency, timeout_s)]
+                result[(size, concurrency)] = {"n": len(ms), "median_ms": round(float(np.median(ms)), 3),
+                                               "p99_ms": round(float(np.percentile(ms, 99)), 3)}
         return result
     finally:
         floor.close()
 
 
-def floor_line(condition: str, floor: dict[str, dict[str, float]]) -> str:
-    sizes = "; ".join(f"{size} median {f['median_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms (n={f['n']})"
-                      for size, f in floor.items())
+def floor_line(condition: str, floor: dict[tuple[str, int], dict[str, float]]) -> str:
+    cells = "; ".join(f"{size} x{conc}: median {f['median_ms']:.2f}, p99 {f['p99_ms']:.2f} ms (n={f['n']})"
+                      for (size, conc), f in floor.items())
     return (f"{condition} floor (bench/bare_relay.py between two processes, one thread hand-off each side, "
-            f"no emulation; compare the 0 ms / unlimited rows at concurrency 1): {sizes}")
+            f"no emulation: the delivery times a relay with nothing of fedemu's reaches here): {cells}")
 
 
 
@@ -732,10 +763,12 @@ def run_grid(condition: str, workdir: Path, latencies, bandwidths, sizes, budget
 
 def table(points: list[Point]) -> str:
     head = ("latency", "bandwidth", "size", "conc", "n", "model ms", "median err ms", "p99 err ms",
-            "min err ms", "target ms", "ok")
+            "min err ms", "target ms", "ok", "floor p99 ms", "reachable")
     rows = [(f"{p.latency_ms:g} ms", p.bandwidth, p.size, str(p.concurrency), str(p.n), f"{p.model_ms:.2f}",
              f"{p.median_error_ms:+.2f}", f"{p.p99_error_ms:+.2f}", f"{p.min_error_ms:+.2f}",
-             f"{p.target_ms:.2f}", "yes" if p.ok else "NO") for p in points]
+             f"{p.target_ms:.2f}", "yes" if p.ok else "NO",
+             "-" if p.floor_p99_ms is None else f"{p.floor_p99_ms:.2f}",
+             "-" if p.reachable is None else ("yes" if p.reachable else "no")) for p in points]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -806,19 +839,25 @@ def main() -> None:
         for condition in conditions:
             trainers = Trainers(workdir, os.cpu_count() or 2, args.trainer_nice) if condition == "load" else None
             try:
-                floor = measure_floor(workdir / condition)
+                floor = measure_floor(workdir / condition, sizes)
                 points = run_grid(condition, workdir, latencies, bandwidths, sizes, budget_s, args.diagnose,
                                   args.transport)
                 cores = trainers.cores_used() if trainers else 0.0
             finally:
                 if trainers:
                     trainers.close()
+            for point in points:
+                point.floor_p99_ms = floor[(point.size, point.concurrency)]["p99_ms"]
+                point.reachable = point.floor_p99_ms <= point.model_ms + point.target_ms
+            reachable = [p for p in points if p.reachable]
             report["conditions"][condition] = {
-                "trainer_cores_busy": round(cores, 2), "floor": floor,
+                "trainer_cores_busy": round(cores, 2),
+                "floor": [{"size": size, "concurrency": conc, **f} for (size, conc), f in floor.items()],
                 "points": [{k: v for k, v in asdict(p).items() if k != "arrivals"} for p in points]}
             passed = sum(p.ok for p in points)
             note = f", trainers at nice {args.trainer_nice} kept {cores:.2f} cores busy" if trainers else ""
-            print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}")
+            print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}; "
+                  f"{sum(p.ok for p in reachable)} of the {len(reachable)} a bare relay could meet")
             print(table(points))
             print(floor_line(condition, floor))
             if args.diagnose:
