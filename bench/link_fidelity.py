@@ -475,10 +475,11 @@ class Point:
     target_ms: float
     ok: bool
     errors_ms: list[float] = field(repr=False)
-    # The floor's p99 delivery for this size and concurrency, and whether a relay that
-    # fast could meet the target here (floor p99 <= model time + target).
+    # The floor's p99 delivery for this size and concurrency, and whether it fits in
+    # model time + target. A relay needs that to meet the target here; on a busy machine
+    # it is not enough, as releasing a held message on time takes wake-ups of its own.
     floor_p99_ms: float | None = None
-    reachable: bool | None = None
+    floor_fits: bool | None = None
     # --diagnose: median and p99 ms of each hop and each part of the error (the parts
     # add up to the error per message)
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -763,12 +764,12 @@ def run_grid(condition: str, workdir: Path, latencies, bandwidths, sizes, budget
 
 def table(points: list[Point]) -> str:
     head = ("latency", "bandwidth", "size", "conc", "n", "model ms", "median err ms", "p99 err ms",
-            "min err ms", "target ms", "ok", "floor p99 ms", "reachable")
+            "min err ms", "target ms", "ok", "floor p99 ms", "floor fits")
     rows = [(f"{p.latency_ms:g} ms", p.bandwidth, p.size, str(p.concurrency), str(p.n), f"{p.model_ms:.2f}",
              f"{p.median_error_ms:+.2f}", f"{p.p99_error_ms:+.2f}", f"{p.min_error_ms:+.2f}",
              f"{p.target_ms:.2f}", "yes" if p.ok else "NO",
              "-" if p.floor_p99_ms is None else f"{p.floor_p99_ms:.2f}",
-             "-" if p.reachable is None else ("yes" if p.reachable else "no")) for p in points]
+             "-" if p.floor_fits is None else ("yes" if p.floor_fits else "no")) for p in points]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -848,8 +849,8 @@ def main() -> None:
                     trainers.close()
             for point in points:
                 point.floor_p99_ms = floor[(point.size, point.concurrency)]["p99_ms"]
-                point.reachable = point.floor_p99_ms <= point.model_ms + point.target_ms
-            reachable = [p for p in points if p.reachable]
+                point.floor_fits = point.floor_p99_ms <= point.model_ms + point.target_ms
+            floor_fits = [p for p in points if p.floor_fits]
             report["conditions"][condition] = {
                 "trainer_cores_busy": round(cores, 2),
                 "floor": [{"size": size, "concurrency": conc, **f} for (size, conc), f in floor.items()],
@@ -857,7 +858,8 @@ def main() -> None:
             passed = sum(p.ok for p in points)
             note = f", trainers at nice {args.trainer_nice} kept {cores:.2f} cores busy" if trainers else ""
             print(f"\n{condition}: {passed}/{len(points)} grid points within target{note}; "
-                  f"{sum(p.ok for p in reachable)} of the {len(reachable)} a bare relay could meet")
+                  f"{sum(p.ok for p in floor_fits)} of the {len(floor_fits)} where the floor's p99 fits "
+                  f"in model time + target")
             print(table(points))
             print(floor_line(condition, floor))
             if args.diagnose:
