@@ -234,7 +234,7 @@ def _array_from_frame(arrays: list, used: list, index: Any, dtype_str: Any, shap
         raise WireError(f"bad array shape {shape!r}")
     frame = arrays[index]
     buf = frame.buffer if hasattr(frame, "buffer") else frame
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # Python ints: exact, and no numpy call per message
     if len(buf) != expected:
         raise WireError(f"array frame has {len(buf)} bytes, shape {shape} of {dtype} needs {expected}")
     used[index] = True
