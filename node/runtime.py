@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple
 import zmq
 
 from . import wire
-from .broker import BROKER_NODE, BROKER_PID
+from .broker import _NOBLOCK, BROKER_NODE, BROKER_PID
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
 from .wire import CTL, USER, Hold, Pid, WireError, message
 
@@ -699,6 +699,7 @@ class Node:
 
     def _io_loop(self) -> None:
         sock = self._sock
+        recv = sock.recv
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -741,10 +742,16 @@ class Node:
                     sock.send_multipart(self._outbox.popleft(), copy=False)
                 if sock in ready:
                     for _ in range(10_000):
+                        # Frame by frame with int flags, as the broker reads: recv_multipart's
+                        # per-frame option and flag handling cost more than decoding.
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frame = recv(_NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        frames = [frame]
+                        while frame.more:  # a multipart message arrives whole: the rest is here
+                            frame = recv(0, copy=False)
+                            frames.append(frame)
                         last_heard = time.monotonic()
                         self._on_frames(frames)
                         if held and held[0][2] <= last_heard:
