@@ -155,7 +155,8 @@ def seq_of(body: bytes) -> int | None:
 
 
 def stamping_socket_class(stamps: dict[int, float]) -> type:
-    """A DEALER socket class that notes when each benchmark message is sent or received."""
+    """A DEALER socket class that notes when each benchmark message is sent or received
+    (by its body frame)."""
 
     class StampingSocket(zmq.Socket):
         def send_multipart(self, msg_parts, *args, **kwargs):
@@ -165,15 +166,18 @@ def stamping_socket_class(stamps: dict[int, float]) -> type:
                 stamps[seq] = now
             return super().send_multipart(msg_parts, *args, **kwargs)
 
-        def recv_multipart(self, *args, **kwargs):
-            frames = super().recv_multipart(*args, **kwargs)
+        frame_index = 0  # of the next frame within its message (the node reads frame by frame)
+
+        def recv(self, flags=0, copy=True, track=False):
+            frame = super().recv(flags, copy=copy, track=track)
             now = time.monotonic()
-            if len(frames) > 2:
-                body = frames[1]
-                seq = seq_of(body.bytes if isinstance(body, zmq.Frame) else body)
+            if self.frame_index == 1:  # a body: the message's frames arrive together
+                seq = seq_of(frame.bytes if isinstance(frame, zmq.Frame) else frame)
                 if seq is not None:
                     stamps[seq] = now
-            return frames
+            more = frame.more if isinstance(frame, zmq.Frame) else self.get(zmq.RCVMORE)
+            self.frame_index = self.frame_index + 1 if more else 0
+            return frame
 
     return StampingSocket
 
