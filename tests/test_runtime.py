@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, NodeError, Pid, wire
+from fedemu.node.broker import BROKER_PID
 
 
 HEARTBEAT_TIMEOUT = 1.0
@@ -184,6 +185,53 @@ def test_down_on_normal_exit(procs, broker, node):
     down, _, extra = _down_of(node, "peer/echo", lambda proc, t: proc.send(t, "exit"))
     assert down.reason == "normal"
     assert extra is TIMEOUT  # exactly one DOWN per monitor
+
+
+def test_down_comes_after_every_message_its_process_sent(procs, broker, node):
+    # Erlang's guarantee, across nodes: the node's I/O thread hands a burst over in
+    # groups, and a DOWN (a control message) must not overtake the group before it.
+    procs.peer("peer", broker)
+    count = 500
+
+    def body(proc):
+        echo = whereis(proc, "peer/echo")
+        proc.monitor(echo)
+        for i in range(count):
+            proc.send(echo, {"seq": i})
+        proc.send(echo, "exit")
+        arrived = []
+        while not arrived or not isinstance(arrived[-1], Down):
+            msg = proc.receive(timeout=10)  # whatever comes first
+            assert msg is not TIMEOUT, f"stuck after {len(arrived)} messages"
+            arrived.append(msg.body)
+        return arrived
+
+    arrived = run_in_process(node, body)
+    assert [m["seq"] for m in arrived[:-1]] == list(range(count))
+    assert arrived[-1].reason == "normal"
+
+
+def test_messages_decoded_before_a_node_is_lost_come_before_its_downs():
+    # The I/O thread's side, frames fed by hand to a node never started: what it has
+    # decoded but not yet handed over (a group in progress) is delivered before the
+    # DOWNs that a control message delivers at once.
+    node = Node("unit", "tcp://127.0.0.1:9")
+    release = threading.Event()
+    try:
+        pid = node.spawn(lambda proc: release.wait(10))
+        proc = node._procs[pid.id]
+        remote = Pid("peer", 5)
+        proc.monitor(remote)
+        for i in range(3):
+            node._on_frames(wire.encode(wire.USER, remote, pid, {"seq": i}))
+        node._on_frames(wire.encode(wire.CTL, BROKER_PID, Pid("unit", 0), {"op": "node_down", "node": "peer"}))
+        node._hand_over()
+        bodies = [msg.body for msg in proc._mailbox]
+        assert bodies[:3] == [{"seq": i} for i in range(3)]
+        assert len(bodies) == 4 and isinstance(bodies[3], Down) and bodies[3].reason == "noconnection"
+    finally:
+        release.set()
+        node.close()
 
 
 def test_down_on_crash_carries_the_error(procs, broker, node):
