@@ -345,7 +345,59 @@ class Collector:
         return items
 
 
-class Setting:
+class Helpers:
+    """The helper processes of one measurement (a relay, a sender), logs in ``workdir``."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[subprocess.Popen] = []
+
+    def _start(self, name: str, argv: list[str], stdin=subprocess.DEVNULL) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, *argv], stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=log, text=True)
+        self.processes.append(proc)
+        return proc
+
+    def _endpoint(self, relay: subprocess.Popen, endpoint_file: Path) -> str:
+        """The address the relay wrote once it listens."""
+        deadline = time.monotonic() + 30
+        while not endpoint_file.exists():
+            if relay.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the relay did not start; see {self.workdir}")
+            time.sleep(0.02)
+        return endpoint_file.read_text().strip()
+
+    def _start_sender(self, role: str, endpoint: str, *extra: str) -> subprocess.Popen:
+        sender = self._start("sender", [str(Path(__file__).resolve()), "--role", role, "--endpoint", endpoint,
+                                        *extra], stdin=subprocess.PIPE)
+        if sender.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the {role} did not start; see {self.workdir / 'sender.log'}")
+        return sender
+
+    def _stop_processes(self) -> None:
+        for proc in reversed(self.processes):  # sender first, relay last
+            if proc.poll() is None:
+                if proc.stdin:
+                    proc.stdin.close()  # the sender ends at the end of its input
+                else:
+                    proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+
+    def close(self) -> None:
+        self._stop_processes()
+
+
+class Setting(Helpers):
     """A broker emulating one link profile on all 100 links, the sender helper
     process and the receiver node in this process."""
 
@@ -354,15 +406,13 @@ class Setting:
         self.latency_ms = latency_ms
         self.bandwidth = bandwidth
         tag = f"lat{latency_ms:g}-bw{'inf' if math.isinf(bandwidth) else f'{bandwidth:g}'}"
-        self.workdir = workdir / tag
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(workdir / tag)
         profile = {"latency_ms": latency_ms, "overhead_bytes": OVERHEAD_BYTES,
                    "bandwidth": "unlimited" if math.isinf(bandwidth) else bandwidth}
         network_file = self.workdir / "network.json"
         network_file.write_text(json.dumps({"num_clients": NUM_LINKS, "seed": 0, "time_scale": 1.0, "network": {
             "default_profile": "bench", "profiles": {"bench": profile}}}))
         endpoint_file = self.workdir / "broker.endpoint"
-        self.processes: list[subprocess.Popen] = []
         self.diagnose = diagnose
         # ipc: a Unix socket instead of TCP on loopback, to see what the transport costs.
         bind = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{self.workdir / 'broker.ipc'}"
@@ -374,32 +424,15 @@ class Setting:
             self.broker = self._start("broker", [
                 "-m", "fedemu.launch", "broker", "--bind", bind, "--endpoint-file",
                 str(endpoint_file), "--log-dir", str(self.workdir), "--network", str(network_file)])
-        deadline = time.monotonic() + 30
-        while not endpoint_file.exists():
-            if self.broker.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"broker did not start; see {self.workdir}")
-            time.sleep(0.02)
-        endpoint = endpoint_file.read_text().strip()
+        endpoint = self._endpoint(self.broker, endpoint_file)
         self.arrivals = Collector()  # (t_recv, message)
         self.receiver_io: dict[int, float] | None = {} if diagnose else None
         self.receiver_node = instrumented_node("bench-rx", endpoint, self.receiver_io)
         self._receiving = True
         self.receiver_node.spawn(self._receive, name=RX_NAME)
         stamps = ["--stamps", str(self.workdir / "sender-stamps.json")] if diagnose else []
-        self.sender = self._start("sender", [str(Path(__file__).resolve()), "--role", "sender",
-                                             "--endpoint", endpoint, *stamps], stdin=subprocess.PIPE)
-        if self.sender.stdout.readline().strip() != "ready":
-            self.close()
-            raise RuntimeError(f"sender node did not start; see {self.workdir / 'sender.log'}")
+        self.sender = self._start_sender("sender", endpoint, *stamps)
         self._seq = 0
-
-    def _start(self, name: str, argv: list[str], stdin=subprocess.DEVNULL) -> subprocess.Popen:
-        with open(self.workdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, *argv], stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=log, text=True)
-        self.processes.append(proc)
-        return proc
 
     def _receive(self, proc) -> None:
         while self._receiving:
@@ -434,19 +467,7 @@ class Setting:
         self._receiving = False
         if getattr(self, "receiver_node", None) is not None:
             self.receiver_node.close("benchmark done")
-        for proc in reversed(self.processes):  # sender first, broker last
-            if proc.poll() is None:
-                if proc.stdin:
-                    proc.stdin.close()  # the sender ends at the end of its input
-                else:
-                    proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
+        self._stop_processes()
 
     def stage_stamps(self) -> dict[str, dict[int, float]]:
         """After close: every hand-over time of every message, by stage boundary."""
@@ -584,23 +605,15 @@ def run_floor_sender(endpoint: str) -> None:
     ctx.term()
 
 
-class Floor:
+class Floor(Helpers):
     """The bare relay and the floor sender as processes; the receiver in this process."""
 
     def __init__(self, workdir: Path):
-        self.workdir = workdir / "floor"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.processes: list[subprocess.Popen] = []
+        super().__init__(workdir / "floor")
         endpoint_file = self.workdir / "relay.endpoint"
-        self._start("relay", [str(Path(__file__).resolve().parent / "bare_relay.py"),
-                              "--endpoint-file", str(endpoint_file)])
-        deadline = time.monotonic() + 30
-        while not endpoint_file.exists():
-            if self.processes[0].poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"bare relay did not start; see {self.workdir}")
-            time.sleep(0.02)
-        endpoint = endpoint_file.read_text().strip()
+        relay = self._start("relay", [str(Path(__file__).resolve().parent / "bare_relay.py"),
+                                      "--endpoint-file", str(endpoint_file)])
+        endpoint = self._endpoint(relay, endpoint_file)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, FLOOR_RX)
@@ -611,19 +624,8 @@ class Floor:
                          threading.Thread(target=self._process, name="floor-rx", daemon=True)]
         for thread in self._threads:
             thread.start()
-        self.sender = self._start("sender", [str(Path(__file__).resolve()), "--role", "floor-sender",
-                                             "--endpoint", endpoint], stdin=subprocess.PIPE)
-        if self.sender.stdout.readline().strip() != "ready":
-            self.close()
-            raise RuntimeError(f"floor sender did not start; see {self.workdir / 'sender.log'}")
+        self.sender = self._start_sender("floor-sender", endpoint)
         self._seq = 0
-
-    def _start(self, name: str, argv: list[str], stdin=subprocess.DEVNULL) -> subprocess.Popen:
-        with open(self.workdir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, *argv], stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=log, text=True)
-        self.processes.append(proc)
-        return proc
 
     def _io(self) -> None:
         try:
@@ -650,18 +652,7 @@ class Floor:
         return [t_recv - t_send for seq, t_send, t_recv in self.arrivals.wait(timeout_s) if seq >= seq0]
 
     def close(self) -> None:
-        if getattr(self, "sender", None) is not None and self.sender.stdin:
-            self.sender.stdin.close()
-        for proc in reversed(self.processes):  # sender first, relay last
-            if proc.poll() is None and proc is not getattr(self, "sender", None):
-                proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
+        self._stop_processes()
         if getattr(self, "_ctx", None) is not None:
             self._ctx.term()
 
