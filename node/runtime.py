@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple
 import zmq
 
 from . import wire
-from .broker import _NOBLOCK, BROKER_NODE, BROKER_PID
+from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
 from .wire import CTL, USER, Hold, Pid, WireError, message
 
@@ -459,6 +459,7 @@ class Node:
         self._handshake_monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(self.broker)
         self._sock = sock
+        self._send_frame = zmq.backend.Socket.send.__get__(sock)  # the C send: no per-frame enum handling
         self._io_thread = threading.Thread(target=self._io_loop, name=f"{self.name}-io", daemon=True)
         self._io_thread.start()
         deadline = time.monotonic() + connect_timeout
@@ -761,7 +762,7 @@ class Node:
                     except BlockingIOError:
                         pass
                 while self._outbox:
-                    sock.send_multipart(self._outbox.popleft(), copy=False)
+                    self._ship(self._outbox.popleft())
                 if sock in ready:
                     for _ in range(10_000):
                         # Frame by frame with int flags, as the broker reads: recv_multipart's
@@ -794,7 +795,7 @@ class Node:
                     # What was sent before close() still goes out (the loop may have seen
                     # `closed` before its last flush), then the goodbye.
                     while self._outbox:
-                        sock.send_multipart(self._outbox.popleft(), copy=False)
+                        self._ship(self._outbox.popleft())
                     sock.send_multipart(wire.encode(CTL, Pid(self.name, 0), BROKER_PID, {"op": "bye"}))
                 except zmq.ZMQError:
                     pass
@@ -805,6 +806,15 @@ class Node:
             self._ctx.term()
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+    def _ship(self, frames: list) -> None:
+        """Send one message's frames (I/O thread only), frame by frame with int flags as
+        the broker does: small frames are copied, cheaper than tracking them; arrays go
+        zero-copy (the sender must not change an array it sent)."""
+        send = self._send_frame
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            send(frame, _SNDMORE if i < last else 0, copy=len(frame) < zmq.COPY_THRESHOLD)
 
     def _watch_handshake(self, poller: zmq.Poller) -> bool:
         """Note a refused handshake for :meth:`start`; once welcomed, stop watching.
