@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import zmq
 
@@ -177,7 +177,7 @@ class Process:
     def _deliver(self, msg: Message) -> None:
         raise NotImplementedError
 
-    def _deliver_many(self, msgs: list[Message]) -> None:
+    def _deliver_many(self, msgs: Iterable[Message]) -> None:
         for msg in msgs:
             self._deliver(msg)
 
@@ -286,7 +286,7 @@ class ThreadProcess(Process):
             self._mailbox.append(msg)
             self._arrived.notify()
 
-    def _deliver_many(self, msgs: list[Message]) -> None:
+    def _deliver_many(self, msgs: Iterable[Message]) -> None:
         with self._arrived:
             self._mailbox.extend(msgs)
             self._arrived.notify()
@@ -330,7 +330,7 @@ class BehaviourProcess(Process):
     def _deliver(self, msg: Message) -> None:
         self._deliver_many((msg,))
 
-    def _deliver_many(self, msgs) -> None:
+    def _deliver_many(self, msgs: Iterable[Message]) -> None:
         with self._lock:
             self._mailbox.extend(msgs)
             if self._scheduled:
@@ -360,7 +360,7 @@ class BehaviourProcess(Process):
 
 
 # Messages the I/O thread decodes before handing them over: small enough that the first
-# of a burst is not held back long (a 1 KB message decodes in ~20 µs).
+# of a burst is not held back long (a 1 KB message decodes in ~20 µs: bench/wire_codec.py).
 _HANDOVER_GROUP = 16
 
 
@@ -440,8 +440,8 @@ class Node:
         # Deliveries the I/O thread has decoded but not yet handed over, per process: a
         # burst is handed over in groups, so a receiving thread wakes (and takes the GIL
         # from the I/O thread) once per group, not once per message.
-        self._io_batch: dict[Process, list[Message]] = {}
-        self._io_batched = 0
+        self._to_hand_over: dict[Process, list[Message]] = {}
+        self._to_hand_over_count = 0
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -779,7 +779,7 @@ class Node:
                         self._on_frames(frames)
                         if held and held[0][2] <= last_heard:
                             self._release_due()  # a long burst must not make held messages late
-                        if self._io_batched >= _HANDOVER_GROUP:
+                        if self._to_hand_over_count >= _HANDOVER_GROUP:
                             self._hand_over()
                 if held:
                     self._release_due()
@@ -983,17 +983,17 @@ class Node:
         if proc is None or not proc.alive:
             self.dropped["dead-destination"] += 1
             return
-        msgs = self._io_batch.get(proc)
+        msgs = self._to_hand_over.get(proc)
         if msgs is None:
-            self._io_batch[proc] = [Message(sender, body)]
+            self._to_hand_over[proc] = [Message(sender, body)]
         else:
             msgs.append(Message(sender, body))
-        self._io_batched += 1
+        self._to_hand_over_count += 1
 
     def _hand_over(self) -> None:
-        if self._io_batched:
-            batch, self._io_batch, self._io_batched = self._io_batch, {}, 0
-            for proc, msgs in batch.items():
+        if self._to_hand_over_count:
+            groups, self._to_hand_over, self._to_hand_over_count = self._to_hand_over, {}, 0
+            for proc, msgs in groups.items():
                 proc._deliver_many(msgs)
 
     def _control(self, header: wire.Header, body: dict) -> None:
