@@ -136,7 +136,7 @@ def test_fetch_writes_cache_then_is_idempotent(tmp_path, monkeypatch, small_size
     lines.clear()
     assert data.fetch("mnist", cache=tmp_path, progress=lines.append) == folder
     assert calls == [1]
-    assert lines == [f"mnist: already cached in {folder}"]
+    assert lines == [f"mnist: already cached in {folder} (sizes and sha256 verified)"]
 
 
 def test_load_fetches_on_first_use(tmp_path, monkeypatch, small_sizes):

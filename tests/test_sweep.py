@@ -320,17 +320,17 @@ def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
 
 def tiny_mnist(cache: Path, n_train: int = 400, n_test: int = 100) -> None:
     """A learnable stand-in for MNIST in a cache folder: class c lights up rows 2c+2..2c+3."""
+    from fedemu.worker import data
+
     rng = np.random.default_rng(0)
-    folder = cache / "mnist"
-    folder.mkdir(parents=True)
+    arrays = {}
     for split, n in (("train", n_train), ("test", n_test)):
         labels = rng.permutation(np.arange(n) % 10).astype(np.uint8)
         images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
         for i, c in enumerate(labels):
             images[i, 2 + 2 * c: 4 + 2 * c, :] = 220
-        np.save(folder / f"{split}_images.npy", images)
-        np.save(folder / f"{split}_labels.npy", labels)
-    (folder / "SOURCE.json").write_text('{"source": "synthetic, for tests"}')
+        arrays[f"{split}_images"], arrays[f"{split}_labels"] = images, labels
+    data.publish("mnist", arrays, {"source": "synthetic, for tests"}, cache)  # with the sizes and hashes fetch checks
 
 
 def tiny_sweep(tmp_path: Path) -> Path:

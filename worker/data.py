@@ -8,6 +8,11 @@ A dataset folder counts as cached only once it has been renamed into place
 whole: ``fetch`` builds it in a hidden staging folder beside it and renames
 that, so a fetch that is killed midway never leaves something that looks like
 a cache, and two processes fetching at once cannot corrupt each other.
+
+A cache can still be damaged later (a truncated file, a disk error, a hand edit):
+``SOURCE.json`` records each file's size and sha256 when the cache is made.
+``fetch`` checks both and fetches again when they differ, saying what was wrong;
+``load`` (every node, at start) checks the sizes, which costs nothing.
 """
 
 from __future__ import annotations
@@ -174,11 +179,15 @@ def _publish(
             f"{array_name}.npy": _sha256_file(staging / f"{array_name}.npy")
             for array_name in _ARRAY_FILES
         }
+        source["files_bytes"] = {
+            f"{array_name}.npy": (staging / f"{array_name}.npy").stat().st_size
+            for array_name in _ARRAY_FILES
+        }
         (staging / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-        if final.exists() and not _is_complete(final):
-            # Not ours to keep: an incomplete folder from a hand edit or an
-            # older layout would block the rename below.
-            shutil.rmtree(final)
+        if final.exists() and (not _is_complete(final) or verify(final) is not None):
+            # Not ours to keep: an incomplete or damaged folder (a hand edit, an
+            # older layout, a bad disk) would block the rename below.
+            _set_aside(final)
         try:
             os.rename(staging, final)
         except OSError:
@@ -188,6 +197,72 @@ def _publish(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def publish(name: str, arrays: dict[str, np.ndarray], source: dict,
+            cache: str | os.PathLike | None = None) -> pathlib.Path:
+    """Cache ``arrays`` (train/test images and labels) as data set ``name``, with the
+    sizes and hashes that later loads check: how a test or a user's own copy of a
+    data set gets into the cache."""
+    root = cache_dir(cache)
+    return _publish(root, name, {k: np.ascontiguousarray(arrays[k]) for k in _ARRAY_FILES}, source)
+
+
+def _set_aside(folder: pathlib.Path) -> None:
+    """Move a damaged cache folder out of the way (renamed, then removed): another
+    process reading it keeps its open files; nothing looks cached meanwhile."""
+    aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return  # someone else moved it first
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _recorded(folder: pathlib.Path) -> dict:
+    try:
+        source = json.loads((folder / _SOURCE_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise DatasetError(f"{folder / _SOURCE_FILE} cannot be read: {error}") from None
+    if not isinstance(source, dict) or not isinstance(source.get("files_sha256"), dict):
+        raise DatasetError(f"{folder / _SOURCE_FILE} records no file hashes (made by hand, or damaged)")
+    return source
+
+
+def check_sizes(folder: pathlib.Path) -> str | None:
+    """What is wrong with a cached data set's files by their sizes (cheap), or None."""
+    try:
+        source = _recorded(folder)
+    except DatasetError as error:
+        return str(error)
+    sizes = source.get("files_bytes", {})
+    for array_name in _ARRAY_FILES:
+        path = folder / f"{array_name}.npy"
+        try:
+            actual = path.stat().st_size
+        except OSError as error:
+            return f"{path}: {error.strerror or error}"
+        if array_name + ".npy" in sizes and actual != sizes[array_name + ".npy"]:
+            return f"{path} has {actual:,} bytes; it had {sizes[array_name + '.npy']:,} when cached"
+    return None
+
+
+def verify(folder: pathlib.Path) -> str | None:
+    """What is wrong with a cached data set (sizes, then every file's sha256), or None."""
+    problem = check_sizes(folder)
+    if problem is not None:
+        return problem
+    hashes = _recorded(folder)["files_sha256"]
+    for array_name in _ARRAY_FILES:
+        path = folder / f"{array_name}.npy"
+        expected = hashes.get(f"{array_name}.npy")
+        try:
+            actual = _sha256_file(path)
+        except OSError as error:
+            return f"{path}: {error.strerror or error}"
+        if actual != expected:
+            return f"{path} has sha256 {actual[:16]}..., not the {str(expected)[:16]}... recorded when cached"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -473,14 +548,22 @@ def fetch(
     name: str,
     cache: str | os.PathLike | None = None,
     progress: Progress = print,
+    force: bool = False,
 ) -> pathlib.Path:
-    """Make the converted copy of ``name`` exist in the cache; return its folder."""
+    """Make a verified converted copy of ``name`` exist in the cache; return its folder.
+    A cached copy is checked against the sizes and hashes recorded when it was made;
+    a damaged one (or any, with ``force``) is fetched again."""
     _check_name(name)
     root = cache_dir(cache)
     final = root / name
     if _is_complete(final):
-        progress(f"{name}: already cached in {final}")
-        return final
+        problem = "fetch --force" if force else verify(final)
+        if problem is None:
+            progress(f"{name}: already cached in {final} (sizes and sha256 verified)")
+            return final
+        if not force:
+            progress(f"{name}: the cache in {final} is damaged: {problem}; fetching it again")
+        _set_aside(final)
     _remove_stale_staging(root, name)
 
     failures: list[tuple[str, Exception]] = []
@@ -521,10 +604,18 @@ def load(
                 f"{name} is not cached in {folder}; fetch it first (fetch({name!r}))"
             )
         folder = fetch(name, cache, progress)
-    arrays = {
-        array_name: np.load(folder / f"{array_name}.npy", mmap_mode="r", allow_pickle=False)
-        for array_name in _ARRAY_FILES
-    }
+    problem = check_sizes(folder)
+    arrays = {}
+    for array_name in _ARRAY_FILES:
+        if problem is not None:
+            break
+        try:
+            arrays[array_name] = np.load(folder / f"{array_name}.npy", mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as error:
+            problem = f"{folder / (array_name + '.npy')} cannot be read: {error}"
+    if problem is not None:
+        raise DatasetError(f"the {name} cache is damaged: {problem}; fetch it again with "
+                           f"`fedemu data fetch {name} --force` (a launch checks and re-fetches it)")
     return Dataset(name=name, num_classes=_NUM_CLASSES, **arrays)
 
 
