@@ -13,7 +13,6 @@ outlives the run. Its stdout streams the nodes' output back, one line per record
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -28,6 +27,8 @@ import tomllib
 import time
 from importlib import metadata
 from pathlib import Path
+
+from .lifecycle import STOP_SIGNALS, child_env
 
 PACKAGES = ("fedemu.node", "fedemu.server", "fedemu.worker", "fedemu.launch")
 
@@ -99,16 +100,6 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
 
 # --- the host agent ------------------------------------------------------------------
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the agent dies, even by SIGKILL (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the stdin-EOF path still stops the nodes
-
 
 def host_config(config_toml: str, local_workers: int) -> str:
     """The run's config as this host's nodes read it: torch_threads = 0 means this
@@ -147,8 +138,9 @@ class HostAgent:
             argv = [sys.executable, "-m", "fedemu.launch", "node", "worker", "--index", str(index),
                     "--broker", b["broker"], "--run-dir", str(self.run_dir), "--workers", str(b["workers"]),
                     "--keys", str(keys_path), "--log-stream"]
+            # child_env names this agent: the node asks for SIGTERM when the agent dies.
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent, text=True, errors="replace")
+                                    env=child_env(), text=True, errors="replace")
             self.procs[name] = proc
             self.emit("started", name, proc.pid)
             threading.Thread(target=self._forward, args=(name, proc), daemon=True).start()
@@ -203,6 +195,6 @@ def run_agent() -> int:
         return 2
     agent = HostAgent(bundle)
     # SIGHUP/SIGTERM from sshd mean the session is gone: stop the nodes, as on EOF.
-    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: agent.stopping.set())
     return agent.serve(sys.stdin)

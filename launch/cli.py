@@ -68,12 +68,15 @@ def data() -> None:
 @data.command("fetch")
 @click.argument("name")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache folder (default: $FEDEMU_DATA_DIR or ~/.cache/fedemu).")
-def data_fetch(name: str, cache_dir: str | None) -> None:
-    """Fetch data set NAME (mnist, fashion-mnist), verify it, and cache a converted copy."""
+@click.option("--force", is_flag=True, help="Fetch again even if a verified copy is cached.")
+def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
+    """Fetch data set NAME (mnist, fashion-mnist), verify it, and cache a converted copy.
+    A cached copy is checked (sizes and sha256 recorded when it was made) and fetched
+    again if damaged."""
     from fedemu.worker import data as datasets
 
     try:
-        path = datasets.fetch(name, cache_dir)
+        path = datasets.fetch(name, cache_dir, force=force)
     except datasets.DatasetError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{name}: {path}")
@@ -103,8 +106,10 @@ def data_list(cache_dir: str | None) -> None:
 def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
            max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None) -> None:
     """Run the message broker that every node connects to."""
+    from .lifecycle import die_with_parent
     from .nodes import run_broker, setup_logging
 
+    die_with_parent()  # a launcher killed outright takes its broker with it
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
     try:
         run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,
@@ -124,8 +129,10 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
          log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
+    from .lifecycle import die_with_parent
     from .nodes import run_server_node, run_worker_node, setup_logging
 
+    die_with_parent()  # a launcher (or host agent) killed outright takes its nodes with it
     name = "server" if role == "server" else f"worker-{index}"
     setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
     if role == "server":

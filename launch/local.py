@@ -12,20 +12,22 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from fedemu.server.runlog import EVENTS, SUMMARY
+from fedemu.server.runlog import EVENTS, RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
 
 from . import config as configuration
+from .lifecycle import (STOP_SIGNALS, DirectoryInUse, DirLock, child_env, describe_exit, raise_on_stop_signals,
+                        restore_signals, stop_reason)
 
 
 class LaunchError(RuntimeError):
     pass
 
 
-def make_run_dir(config: dict, out: str | Path | None) -> Path:
+def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
+    """Create the run directory and lock it for this run: a second launch into the same
+    directory fails at once, naming the holder; one into a finished run's is refused."""
     if out is not None:
         run_dir = Path(out)
-        if (run_dir / EVENTS).exists():
-            raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         name = f"{stamp}-{config['algorithm']['name']}-{config['data']['dataset']}-{config['model']['name']}"
@@ -34,8 +36,25 @@ def make_run_dir(config: dict, out: str | Path | None) -> Path:
         while run_dir.exists():
             suffix += 1
             run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    return run_dir
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        lock = DirLock(run_dir)
+    except DirectoryInUse as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:
+        raise LaunchError(str(write_error(run_dir, exc))) from None
+    if (run_dir / EVENTS).exists():
+        lock.close()
+        raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
+    return run_dir, lock
+
+
+def write_run_file(path: Path, text: str) -> None:
+    """A file the launcher writes into the run directory; a write error names it."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise LaunchError(str(write_error(path, exc))) from None
 
 
 class LocalRun:
@@ -49,15 +68,21 @@ class LocalRun:
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
         self._events_offset = 0
+        self.broker_died: str | None = None  # how the broker process ended, if before the server
+        self.interrupted_by: int | None = None  # the stop signal (or Ctrl-C) this launcher got
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
-        out = open(self.run_dir / "logs" / f"{name}.out", "ab")
+        try:
+            out = open(self.run_dir / "logs" / f"{name}.out", "ab")
+        except OSError as exc:
+            raise LaunchError(str(write_error(self.run_dir / "logs" / f"{name}.out", exc))) from None
         # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
         # the run in order (server first, which tells the nodes and the broker to leave).
         # Were the broker hit at the same moment, the server could lose it mid-shutdown.
+        # child_env names this launcher: the child asks for SIGTERM when it dies (lifecycle).
         proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=child_env())
         out.close()
         self.procs[name] = proc
         return proc
@@ -94,7 +119,7 @@ class LocalRun:
         run = self.config["run"]
         endpoint_file = self.run_dir / "broker.endpoint"
         network_file = self.run_dir / "network.json"
-        network_file.write_text(json.dumps(configuration.broker_network_file(self.config), indent=1))
+        write_run_file(network_file, json.dumps(configuration.broker_network_file(self.config), indent=1))
         broker = self._start("broker", "broker", "--bind", bind, "--endpoint-file", str(endpoint_file),
                              "--heartbeat-interval", str(run["heartbeat_interval_s"]),
                              "--heartbeat-timeout", str(run["heartbeat_timeout_s"]),
@@ -117,14 +142,21 @@ class LocalRun:
         reported: set[str] = set()
         while server.poll() is None:
             self._print_new_events()
-            for name, proc in self.procs.items():
-                if name != "server" and name not in reported and proc.poll() not in (None, 0):
-                    reported.add(name)  # the server sees its clients DOWN; the user sees why
-                    self.echo(f"warning: {name} exited with code {proc.returncode}: {self._tail(name)}")
+            self.check_exits(reported)
             self.check_hosts()
             time.sleep(0.25)
         self._print_new_events()
+        self.check_exits(reported)
         return self.summary()
+
+    def check_exits(self, reported: set[str]) -> None:
+        """Say which process of the run died, and how; a dead broker is the run's end."""
+        for name, proc in self.procs.items():
+            if name != "server" and name not in reported and proc.poll() not in (None, 0):
+                reported.add(name)  # the server sees its clients DOWN; the user sees why
+                self.echo(f"warning: {name} {describe_exit(proc.returncode)}: {self._tail(name)}")
+                if name == "broker" and self.procs["server"].poll() is None:
+                    self.broker_died = describe_exit(proc.returncode)
 
     def check_hosts(self) -> None:
         """Report a lost host; a hook for runs with nodes on other machines."""
@@ -144,32 +176,64 @@ class LocalRun:
 
     def summary(self) -> dict:
         path = self.run_dir / SUMMARY
+        summary = None
         if path.exists():
-            return json.loads(path.read_text())
+            try:
+                summary = json.loads(path.read_text())
+            except (OSError, ValueError):
+                summary = None  # torn by a dying disk: replaced below
         server = self.procs.get("server")
-        if server is None or server.poll() is None:
-            return {"status": "failed", "reason": "the server node did not finish"}
-        # The server node died (killed, crashed): record that in the run directory too, so
-        # tools that read summary.json see a failed run, not a missing one.
-        summary = {"status": "failed", "reason": f"the server node exited ({server.returncode}) "
-                   f"without a summary: {self._tail('server')}"}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
+        if summary is None:
+            if server is not None and server.poll() is None:
+                return {"status": "failed", "reason": "the server node did not finish"}
+            # The server node died (killed, crashed) or never started: record that in the
+            # run directory too, so tools that read summary.json see a failed run.
+            if server is None and self.interrupted_by is not None:
+                summary = {"status": "interrupted",
+                           "reason": f"{stop_reason(self.interrupted_by)}, before the run started"}
+            else:
+                how = describe_exit(server.returncode) if server is not None else "never started"
+                summary = {"status": "failed", "reason": f"the server node ended ({how}) without a summary: "
+                           f"{self._tail('server')}"}
+        elif self.broker_died and summary.get("status") == "failed":
+            # The server only saw the broker go silent; this launcher saw how it died.
+            summary["reason"] = f"the broker process died ({self.broker_died}); {summary.get('reason')}"
+        else:
+            return summary
+        self._write_summary(summary)
         return summary
+
+    def record_failure(self, reason: str) -> dict:
+        """A run that could not start: its summary says why (unless the server wrote one)."""
+        if (self.run_dir / SUMMARY).exists():
+            return self.summary()
+        summary = {"status": "failed", "reason": reason}
+        self._write_summary(summary)
+        return summary
+
+    def _write_summary(self, summary: dict) -> None:
+        (self.run_dir / RESERVE).unlink(missing_ok=True)  # the room kept for it, on a full disk
+        try:
+            write_json_atomically(self.run_dir / SUMMARY, summary)
+        except RunLogError as exc:
+            self.echo(f"warning: {exc}")
 
     def _tail(self, name: str, lines: int = 5) -> str:
         path = self.run_dir / "logs" / f"{name}.out"
         text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
         return " | ".join(text[-lines:]) or "(no output)"
 
-    def interrupt(self) -> None:
+    def interrupt(self, signum: int = signal.SIGINT) -> None:
+        """Ask the server to stop the run; it says in the summary which signal it was."""
         server = self.procs.get("server")
         if server and server.poll() is None:
-            server.send_signal(signal.SIGINT)
+            server.send_signal(signum)
 
     def stop(self, grace: float = 15.0) -> None:
         """Let every process exit on its own, then terminate, then kill: no strays."""
+        server = self.procs.get("server")
+        if server is not None and server.poll() is not None and server.returncode < 0:
+            grace = min(grace, 3.0)  # the server was killed: nobody told the nodes to leave
         deadline = time.monotonic() + grace
         for name, proc in sorted(self.procs.items(), key=lambda item: item[0] == "broker"):
             # The broker goes last, and briefly: a server's shutdown has already ended it,
@@ -214,22 +278,50 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     if workers is not None:
         config["run"]["workers"] = workers
     workers = config["run"]["workers"] or os.cpu_count() or 1
-    run_dir = make_run_dir(config, out)
-    (run_dir / "config.toml").write_text(configuration.to_toml(config))
-    data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
-    echo(f"run directory: {run_dir}")
-    if machines is None:
-        run = LocalRun(config, run_dir, workers, echo)
-    else:
-        from .machines import MachinesRun
-
-        run = MachinesRun(config, run_dir, machines, echo, default_slots=workers if config["run"]["workers"] else None)
+    # SIGTERM and SIGHUP stop the run as Ctrl-C does, from here on.
+    previous = raise_on_stop_signals()
     try:
+        run_dir, lock = make_run_dir(config, out)
+        try:
+            if machines is None:
+                run = LocalRun(config, run_dir, workers, echo)
+            else:
+                from .machines import MachinesRun
+
+                run = MachinesRun(config, run_dir, machines, echo,
+                                  default_slots=workers if config["run"]["workers"] else None)
+
+            def prepare() -> None:
+                write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+                data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
+                echo(f"run directory: {run_dir}")
+
+            return run_dir, _run_to_end(run, echo, prepare)
+        finally:
+            lock.close()
+    finally:
+        restore_signals(previous)
+
+
+def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:
+    """Prepare, start and follow the run; any stop signal (or Ctrl-C) interrupts it in
+    order. Whatever ends it, its summary.json says how."""
+    from fedemu.worker.data import DatasetError
+
+    try:
+        prepare()
         run.start()
         summary = run.follow()
-    except KeyboardInterrupt:
-        echo("interrupted: stopping the run ...")
-        run.interrupt()
+    except (LaunchError, DatasetError) as exc:  # nothing ran: the run directory still says why
+        run.record_failure(str(exc))
+        raise
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        run.interrupted_by = signum
+        echo(f"{signal.Signals(signum).name}: stopping the run ...")
+        for sig in STOP_SIGNALS:  # a second signal must not cut the orderly stop short
+            signal.signal(sig, lambda *_: echo("still stopping the run ..."))
+        run.interrupt(signum)
         try:
             run.procs["server"].wait(30)
         except (KeyError, subprocess.TimeoutExpired):
@@ -237,4 +329,4 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
         summary = run.summary()
     finally:
         run.stop()
-    return run_dir, summary
+    return summary

@@ -21,6 +21,8 @@ import numpy as np
 from fedemu.node import Broker, Node
 from fedemu.node.links import NetworkSpec
 
+from .lifecycle import STOP_SIGNALS, stop_reason
+
 log = logging.getLogger("fedemu.launch")
 
 
@@ -54,9 +56,19 @@ def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float,
         tmp.write_text(broker.endpoint + "\n")
         os.replace(tmp, endpoint_file)  # readers never see half an address
     print(broker.endpoint, flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: broker.stop())
+    stopped_by: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        stopped_by.append(signum)
+        broker.stop()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
     broker.serve_forever()
+    if stopped_by:  # die of the signal, once closed: the launcher then sees how the broker ended
+        log.info("broker stopped by %s", signal.Signals(stopped_by[0]).name)
+        signal.signal(stopped_by[0], signal.SIG_DFL)
+        os.kill(os.getpid(), stopped_by[0])
 
 
 def read_config(run_dir: Path) -> dict:
@@ -125,16 +137,22 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         runlog.event("machines", **json.loads(machines.read_text()))
     node = _node("server", broker, config, keys_file)
     result: dict = {}
-    pid = node.spawn(lambda proc: result.update(engine.run(proc)), name="server")
+
+    def serve(proc) -> None:
+        try:
+            result.update(engine.run(proc))
+        except Exception as exc:  # even the summary could not be written (a dead disk)
+            log.exception("the server could not finish its run")
+            result.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+
+    pid = node.spawn(serve, name="server")
 
     def stop(status: str, reason: str) -> None:
         node.send(pid, Stop(status, reason))
 
-    signal.signal(signal.SIGINT, lambda *_: stop("interrupted", "interrupted by the user"))
-    signal.signal(signal.SIGTERM, lambda *_: stop("interrupted", "terminated by a signal"))
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _: stop("interrupted", stop_reason(signum)))
     node.on_close.append(lambda reason: stop("failed", f"server node closed: {reason}"))
-    while not result and not node.closed.is_set():
-        time.sleep(0.1)
     while not result:  # the engine writes its summary even when the node closed
         time.sleep(0.1)
     runlog.close()
@@ -167,10 +185,11 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"],
                                 config["run"]["seed"], **opts)
     node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         # The server decides when the run ends; a worker only leaves when told, or
-        # when its node is closed (broker lost, shutdown).
-        signal.signal(sig, lambda *_: threading.Thread(target=node.close, args=("signal",), daemon=True).start())
+        # when its node is closed (broker lost, shutdown, a signal).
+        signal.signal(sig, lambda signum, _: threading.Thread(
+            target=node.close, args=(stop_reason(signum),), daemon=True).start())
     host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
                  config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"],
                  stragglers=stragglers, time_scale=config["run"]["time_scale"],

@@ -2,12 +2,12 @@
 the main group at the end of cli.py)."""
 from __future__ import annotations
 
-import signal
 import sys
 
 import click
 
 from .host_options import machine_options
+from .lifecycle import raise_on_stop_signals
 
 
 @click.command()
@@ -29,8 +29,8 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
 
     if parallel is not None and parallel < 0 or workers_per_point is not None and workers_per_point < 1:
         raise click.ClickException("--parallel must be >= 0 and --workers-per-point >= 1")
-    # SIGTERM stops the sweep as Ctrl-C does: running points are interrupted and recorded.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM and SIGHUP stop the sweep as Ctrl-C does: running points are interrupted and recorded.
+    raise_on_stop_signals()
     try:
         spec = load_spec(sweep_file, out)
         counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,

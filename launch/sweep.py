@@ -33,7 +33,6 @@ groups and runs N points at once, each on a group of its own.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import itertools
 import json
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import config as configuration
+from .lifecycle import DirectoryInUse, DirLock
 from .report import REPEAT_KEYS, curve, flat, fmt, times_to_target
 
 if TYPE_CHECKING:
@@ -60,7 +60,6 @@ SWEEP_KEYS = ("name", "base", "out", "parallel", "workers_per_point", "target")
 # Keys that change how a point is run, not what it computes: not part of its identity.
 VOLATILE = ("run.out", "run.workers", "run.torch_threads", "data.cache_dir")
 DB_FILE = "sweep.db"
-LOCK_FILE = ".lock"
 
 
 class SweepError(ValueError):
@@ -366,10 +365,23 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
     """Run one configuration into ``run_dir`` and return its summary: on this machine with
     ``workers`` worker nodes, or with worker nodes on ``machines`` (``workers``: slots
     of a host without ``slots=``). What the launcher would print goes to logs/launch.out."""
-    from .local import LaunchError, LocalRun, make_run_dir
+    from .local import make_run_dir
 
-    make_run_dir(config, run_dir)
-    (run_dir / "config.toml").write_text(configuration.to_toml(config))
+    _, lock = make_run_dir(config, run_dir)
+    try:
+        return _run_point(config, run_dir, workers=workers, stop=stop, on_start=on_start, machines=machines)
+    finally:
+        lock.close()
+
+
+def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threading.Event,
+               on_start: Callable[[list[int]], None] | None, machines: Machines | None) -> dict:
+    from .local import LaunchError, LocalRun, write_run_file
+
+    try:
+        write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+    except LaunchError as exc:
+        return {"status": "failed", "reason": str(exc)}
 
     def echo(line: str) -> None:  # opened per line: host reader threads may outlive this call
         with open(run_dir / "logs" / "launch.out", "a", encoding="utf-8") as log:
@@ -386,8 +398,9 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
             run.start()
             if on_start is not None:
                 on_start([p.pid for p in run.procs.values()])
-            server, asked, last = run.procs["server"], None, 0.0
+            server, asked, last, reported = run.procs["server"], None, 0.0, set()
             while server.poll() is None:
+                run.check_exits(reported)
                 if stop.is_set() and time.monotonic() - last > 2:
                     # The server writes an "interrupted" summary and stops the nodes. Again
                     # every 2 s: a server still starting up may not have its handler yet.
@@ -403,7 +416,7 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
             run.stop(grace=3.0 if stop.is_set() else 15.0)
     except LaunchError as exc:
         echo(f"failed: {exc}")
-        return {"status": "failed", "reason": str(exc)}
+        return run.record_failure(str(exc))
     # After stop(): a server terminated there has written its summary by now.
     return run.summary()
 
@@ -504,11 +517,10 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
         echo(f"{len(points)} points; would run {layout.describe()}, into {sweep_dir}")
         return {"points": len(points)}
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(sweep_dir / LOCK_FILE, "w")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SweepError(f"another `fedemu sweep` is running in {sweep_dir}") from None
+        lock = DirLock(sweep_dir, what="`fedemu sweep`")
+    except DirectoryInUse as exc:
+        raise SweepError(str(exc)) from None
     index = Index(sweep_dir / DB_FILE)
     try:
         index.check_compatible(points)

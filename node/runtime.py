@@ -422,6 +422,7 @@ class Node:
         self._welcomed = threading.Event()
         self.closed = threading.Event()
         self.close_reason: str | None = None
+        self.broker_lost: str | None = None  # why this node lost the broker, once it has
         self._io_thread: threading.Thread | None = None
         self.on_close: list[Callable[[str], None]] = []
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -841,6 +842,7 @@ class Node:
 
     def _lose_broker(self, reason: str) -> None:
         log.error("node %s lost the broker: %s", self.name, reason)
+        self.broker_lost = reason  # set before the DOWNs: a watcher can tell them from its peers' faults
         self._hand_over()  # what arrived before the loss is delivered before the DOWNs
         self._fire_noconnection(None)
         threading.Thread(target=self.close, args=(f"noconnection: {reason}",), daemon=True).start()

@@ -208,7 +208,7 @@ class AsyncEngine(Engine):
                 for k in self._rejoin(proc, body, evaluation):
                     self._start_client(proc, k)
             elif isinstance(body, Down):
-                self._client_down(body, evaluation)
+                self._client_down(proc, body, evaluation)
                 self.ages.pop(self.client_of.get(body.pid), None)
                 self.bases.pop(self.client_of.get(body.pid), None)
                 self.unheard.pop(self.client_of.get(body.pid), None)

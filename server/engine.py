@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess, message
+from fedemu.node import TIMEOUT, Down, NodeError, Pid, ThreadProcess, message
 from fedemu.worker import models, training
 from fedemu.worker.data import Dataset
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
-from .runlog import RunLog
+from .runlog import RunLog, RunLogError
 from .strategies import Strategy, selected_per_round
 
 log = logging.getLogger("fedemu.server")
@@ -115,10 +115,27 @@ class Engine:
             status, reason = self.main(proc)
         except _Stopped as stop:
             status, reason = stop.status, stop.reason
+        except RunLogError as exc:  # a full disk, say: the run cannot record anything more
+            log.error("%s; ending the run", exc)
+            status, reason = "failed", str(exc)
         except Exception as exc:
-            log.exception("server failed")
-            status, reason = "failed", f"{type(exc).__name__}: {exc}"
-        self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds, uploads=self.totals.uploads)
+            if isinstance(exc, NodeError) and _broker_lost(proc) is None:
+                # A call to the broker timed out: if the broker is gone, the node's
+                # heartbeats say so within their timeout. That is the reason to report.
+                proc.node.closed.wait(proc.node.heartbeat_timeout + 1.0)
+            if _broker_lost(proc) is not None:  # the cause, not what it broke (a stats call)
+                status, reason = "failed", f"lost the broker: {_broker_lost(proc)}"
+            else:
+                log.exception("server failed")
+                status, reason = "failed", f"{type(exc).__name__}: {exc}"
+        if self.runlog.failed is None:
+            try:
+                self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
+                                  uploads=self.totals.uploads)
+            except RunLogError as exc:
+                log.error("%s", exc)
+                if status == "completed":
+                    status, reason = "failed", str(exc)
         return self.runlog.summary(
             status=status,
             reason=reason,
@@ -168,7 +185,10 @@ class Engine:
             raise _Stopped(msg.body.status, msg.body.reason)
         return msg
 
-    def _client_down(self, down: Down, round_: int) -> int | None:
+    def _client_down(self, proc: ThreadProcess, down: Down, round_: int) -> int | None:
+        if _broker_lost(proc) is not None:
+            # Every remote process looks DOWN when the broker is gone: the run is lost, not its clients.
+            raise _Stopped("failed", f"lost the broker: {_broker_lost(proc)}")
         k = self.client_of.get(down.pid)
         if k is None or k not in self.live or self.pids[k] != down.pid:  # not the client's current pid
             return None
@@ -332,7 +352,7 @@ class RoundEngine(Engine):
             if isinstance(body, WorkerReady):
                 self._rejoin(proc, body, round_)  # selectable from the next round on
             elif isinstance(body, Down):
-                k = self._client_down(body, round_)
+                k = self._client_down(proc, body, round_)
                 if k in waiting:
                     waiting.discard(k)
                     book.dropped.add(k)
@@ -386,6 +406,11 @@ class _RoundBook:
 
 
 QUORUM_POLICIES = ("skip", "extend_once")
+
+
+def _broker_lost(proc) -> str | None:
+    """Why the server's node lost the broker, or None (also for stand-ins in tests)."""
+    return getattr(getattr(proc, "node", None), "broker_lost", None)
 
 
 class _Stopped(Exception):

@@ -2,6 +2,12 @@
 
 ``events.jsonl`` is append-only and flushed (and fsynced) per line, so a run killed
 half-way keeps every line it wrote. ``summary.json`` is replaced atomically.
+
+A write that fails (a full disk, EIO, a read-only remount) raises :class:`RunLogError`
+naming the file and the error, after cutting the log back to its last whole line: every
+line already written stays valid JSON. The log is then closed to further events, and the
+summary still gets written: a few kilobytes reserved when the run started
+(``summary.reserve``) are given back first, so even a full disk has room for it.
 """
 from __future__ import annotations
 
@@ -13,6 +19,33 @@ from typing import Any
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
+RESERVE = "summary.reserve"
+RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
+
+
+class RunLogError(OSError):
+    """The run directory cannot be written; the message names the file and the error."""
+
+    def __str__(self) -> str:
+        return self.strerror  # the message alone, without OSError's "[Errno N]"
+
+
+def write_error(path: Path, exc: OSError) -> RunLogError:
+    return RunLogError(exc.errno, f"cannot write {path}: {exc.strerror or exc}")
+
+
+def write_json_atomically(path: Path, record: dict) -> None:
+    """Replace ``path`` with ``record`` as JSON, all or nothing (tmp, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=2, default=_jsonable) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
 
 
 class RunLog:
@@ -20,27 +53,69 @@ class RunLog:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.started = time.time() if started is None else started
-        self._events = open(self.run_dir / EVENTS, "a", encoding="utf-8")
+        self.path = self.run_dir / EVENTS
+        self.failed: RunLogError | None = None  # the write error that closed the log
+        try:
+            self._reserve()
+            self._events = open(self.path, "ab")
+            self._length = self._events.seek(0, os.SEEK_END)  # bytes of whole lines so far
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
+
+    def _reserve(self) -> None:
+        reserve = self.run_dir / RESERVE
+        if not reserve.exists():
+            with open(reserve, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)  # written, not sparse: the blocks are really taken
+                f.flush()
+                os.fsync(f.fileno())
 
     def elapsed(self) -> float:
         return time.time() - self.started
 
     def event(self, name: str, **fields: Any) -> dict:
+        """Append one event; raises RunLogError if the line cannot be written (and
+        every later call, once one has failed)."""
         record = {"event": name, "t": round(self.elapsed(), 4), **fields}
-        self._events.write(json.dumps(record, default=_jsonable) + "\n")
-        self._events.flush()
-        os.fsync(self._events.fileno())
+        if self.failed is not None:
+            raise self.failed
+        line = (json.dumps(record, default=_jsonable) + "\n").encode()
+        f = self._events
+        try:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as exc:
+            self.failed = write_error(self.path, exc)
+            self._cut_back(self._length)
+            raise self.failed from None
+        self._length += len(line)
         return record
 
+    def _cut_back(self, length: int) -> None:
+        """After a failed write: drop the torn line (buffered or partly on disk), so the
+        file ends with a whole line; nothing more is written to it."""
+        try:
+            self._events.close()
+        except OSError:
+            pass  # the unwritten buffer is what we are dropping
+        try:
+            os.truncate(self.path, length)
+        except OSError:
+            pass  # read-only now: a torn last line stays; read_events skips it
+
     def summary(self, **fields: Any) -> dict:
+        """Write summary.json (atomically), using the space reserved for it."""
         record = {"wall_s": round(self.elapsed(), 3), **fields}
-        tmp = self.run_dir / (SUMMARY + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
-        os.replace(tmp, self.run_dir / SUMMARY)
+        (self.run_dir / RESERVE).unlink(missing_ok=True)
+        write_json_atomically(self.run_dir / SUMMARY, record)
         return record
 
     def close(self) -> None:
-        self._events.close()
+        try:
+            self._events.close()
+        except OSError:
+            pass
 
 
 def _jsonable(value: Any) -> Any:
