@@ -48,9 +48,13 @@ class Procs:
             time.sleep(0.02)
         return endpoint_file.read_text().strip()
 
-    def peer(self, name: str, broker: str, keys: Path | None = None) -> subprocess.Popen:
+    def peer(self, name: str, broker: str, keys: Path | None = None,
+             heartbeat_timeout: float | None = None) -> subprocess.Popen:
+        """A peer node process (tests/peer_node.py); ``heartbeat_timeout`` is how long it
+        lets the broker be silent before it gives up on it (its default: 1 s)."""
         proc = self.start(name, str(HERE / "peer_node.py"), "--broker", broker, "--name", name,
-                          *(("--keys", str(keys)) if keys is not None else ()))
+                          *(("--keys", str(keys)) if keys is not None else ()),
+                          *(("--heartbeat-timeout", str(heartbeat_timeout)) if heartbeat_timeout is not None else ()))
         line = proc.stdout.readline()
         assert line.strip() == "ready", f"peer {name} did not start: {self.log(name)}"
         return proc

@@ -146,7 +146,8 @@ def test_killed_worker_node_is_seen_as_down_and_the_run_goes_on(tmp_path):
 def test_a_silent_worker_makes_stragglers_not_a_hang(tmp_path):
     """A stopped (not dead) node answers nothing: rounds close at their deadline."""
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "run.rounds=4", "run.heartbeat_timeout_s=60", "algorithm.deadline_s=2.0")
+    deadline_s = 8.0  # what worker-0's clients must beat, in wall time: ample on a loaded host
+    proc = launch(run_dir, "run.rounds=4", "run.heartbeat_timeout_s=60", f"algorithm.deadline_s={deadline_s}")
     wait_for_round(run_dir, 1, proc)
     worker = node_pid(run_dir, "worker-1")
     os.kill(worker, signal.SIGSTOP)
@@ -164,9 +165,13 @@ def test_a_silent_worker_makes_stragglers_not_a_hang(tmp_path):
         assert all(k >= 50 for k in e["stragglers"])  # the stopped node's clients
         assert e["participants"] == len(e["selected"]) - len(e["stragglers"])
         assert e["aggregated"] == (e["participants"] >= 1)
-        assert 2.0 <= e["round_s"] < 10
-    time.sleep(1)
-    assert processes_of(run_dir) == []
+        # It waited out its deadline, and then closed (not a hang): aggregation,
+        # evaluation and the log take well under the margin.
+        assert deadline_s <= e["round_s"] < deadline_s + 10
+    deadline = time.monotonic() + 30  # the launcher has returned: its processes are ending or gone
+    while processes_of(run_dir):
+        assert time.monotonic() < deadline, processes_of(run_dir)
+        time.sleep(0.2)
 
 
 def broker_pid(run_dir: Path) -> int:
@@ -201,7 +206,7 @@ def test_a_lost_server_fails_the_run_and_keeps_its_log(tmp_path):
     assert proc.returncode != 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed", output
-    assert "server node exited (-9)" in summary["reason"]
+    assert "the server node ended (killed by SIGKILL) without a summary" in summary["reason"]
     assert [e["round"] for e in read_events(run_dir) if e["event"] == "round"][:2] == [1, 2]
     assert processes_of(run_dir) == []
 

@@ -284,7 +284,7 @@ clients = 4
 cache_dir = "{tmp_path / 'cache'}"
 [algorithm]
 C = 1.0
-deadline_s = 2.0
+deadline_s = 10.0
 [network.profiles.cut]
 up = {{ loss = 1.0 }}
 [[network.assign]]

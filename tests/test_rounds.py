@@ -34,12 +34,15 @@ class ScriptedProc:
     def send(self, pid, body):
         self.sent.append((pid, body))
 
-    def receive(self, match, timeout):
+    def now(self) -> float:  # the engine's clock: wall time, as on the wall clock at time_scale 1
+        return time.monotonic()
+
+    def receive(self, match, timeout=None, wall_timeout=None):
         if self.script and self.script[0] is not WAIT:
             return self.script.pop(0)
         if self.script:
             self.script.pop(0)
-        time.sleep(min(timeout, 1.0))
+        time.sleep(min(t for t in (timeout, wall_timeout, 1.0) if t is not None))
         return TIMEOUT
 
 
@@ -259,10 +262,11 @@ clients = "5-9"
 @pytest.mark.mnist
 @pytest.mark.slow
 def test_extend_once_on_a_real_run(tmp_path):
-    """K = 4, all selected, quorum 4, a 5 s deadline. Round 1: client 2's upload takes
-    6 s, so the quorum is missed, the deadline extended once (to 10 s), and the round
-    aggregates. Round 2: its uplink takes 30 s, so even the extended deadline passes: the
-    round is skipped and the model kept."""
+    """K = 4, all selected, quorum 4, an 8 s deadline. Round 1: client 2's upload takes
+    9 s, so the quorum is missed (whatever the host's speed), the deadline extended once
+    (to 16 s), and the round aggregates: client 2 trains third, well within the 7 s left.
+    Round 2: its uplink takes 30 s, so even the extended deadline passes: the round is
+    skipped and the model kept."""
     run_dir = tmp_path / "run"
     done = launch_file(run_dir, """
 [data]
@@ -271,12 +275,12 @@ clients = 4
 C = 1.0
 B = 0
 quorum = 4
-deadline_s = 5.0
+deadline_s = 8.0
 on_quorum_missed = "extend_once"
 [run]
 rounds = 2
 [network.profiles.late]
-up = { latency_ms = 6000 }
+up = { latency_ms = 9000 }
 [network.profiles.gone]
 up = { latency_ms = 30000 }
 [[network.assign]]

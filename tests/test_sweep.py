@@ -57,13 +57,21 @@ class FakeRunner:
         self.calls: list[str] = []
         self.fail = set(fail)
         self.block = block
+        self._called = threading.Condition()
+
+    def wait_for_calls(self, n: int, timeout: float = 30.0) -> bool:
+        """Whether ``n`` points have started (within ``timeout`` seconds)."""
+        with self._called:
+            return self._called.wait_for(lambda: len(self.calls) >= n, timeout)
 
     def __call__(self, config, run_dir, *, workers, stop, on_start=None, machines=None):
-        self.calls.append(run_dir.name)
+        with self._called:
+            self.calls.append(run_dir.name)
+            self._called.notify_all()
         if on_start is not None:
             on_start([])
         if self.block is not None:  # a long point: runs until the sweep stops it
-            stop.wait(10)
+            stop.wait(60)
             make_run(run_dir, [0.3], config=config, status="interrupted")
             return {"status": "interrupted", "reason": "interrupted by the user"}
         if run_dir.name in self.fail:
@@ -213,8 +221,17 @@ def test_stopping_a_sweep_records_interrupted_points_and_a_rerun_finishes_them(t
     spec = write(tmp_path / "s.toml", SWEEP)
     out = tmp_path / "sw"
     stop = threading.Event()
-    threading.Timer(0.5, stop.set).start()
-    counts = run(spec, out, FakeRunner(block=threading.Event()), stop=stop)
+    blocked = FakeRunner(block=threading.Event())
+
+    def stop_once_two_run():  # as a user's Ctrl-C while two points run
+        blocked.wait_for_calls(2)
+        stop.set()
+
+    stopper = threading.Thread(target=stop_once_two_run)
+    stopper.start()
+    counts = run(spec, out, blocked, stop=stop)
+    stopper.join()
+    assert blocked.wait_for_calls(2, timeout=0), "two points never ran at once"
     assert counts == {"interrupted": 2, "pending": 6}  # two ran at once, none started after the stop
     runner = FakeRunner()
     assert run(spec, out, runner) == {"completed": 8} and len(runner.calls) == 8
