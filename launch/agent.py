@@ -107,7 +107,7 @@ def host_config(config_toml: str, local_workers: int) -> str:
     from . import config as configuration
 
     config = tomllib.loads(config_toml)
-    if not config["run"]["torch_threads"]:
+    if not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":  # virtual time pins it to 1
         config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // max(1, local_workers))
     return configuration.to_toml(config)
 

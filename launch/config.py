@@ -56,7 +56,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "heartbeat_interval_s": Key(float, "node heartbeat period", check=_positive, rule="> 0"),
         "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=_positive, rule="> 0"),
         "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=_positive, rule="> 0"),
-        "time_scale": Key(float, "run emulated delays (links, stragglers, deadlines) this many times faster", check=_positive, rule="> 0"),
+        "clock": Key(str, "emulated time: 'virtual' (the broker's discrete-event clock: the same config and seed "
+                     "give the same run on any host, load or placement) or 'wall' (the host's clock x time_scale)",
+                     choices=("virtual", "wall")),
+        "compute": Key(str, "virtual clock: what a client's local work costs: 'model' (training FLOPs / "
+                       "device_flops x straggler factor: reproducible) or 'measured' (the training thread's CPU "
+                       "time x straggler factor: not reproducible)", choices=("model", "measured")),
+        "device_flops": Key(float, "virtual clock, compute = 'model': the emulated device's training speed in "
+                            "FLOP/s (a straggler with factor f runs at device_flops / f)", check=_positive, rule="> 0"),
+        "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster", check=_positive, rule="> 0"),
         "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=_non_negative, rule=">= 0"),
         "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=_non_negative, rule=">= 0"),
         "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=_positive, rule="> 0"),
@@ -219,6 +227,10 @@ def validate(config: dict) -> None:
                 raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, spec.choices))}")
             if spec.check is not None and not spec.check(value):
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
+    if config["run"]["clock"] == "virtual" and config["run"]["time_scale"] != 1.0:
+        raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
+                          "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
+                          "leave it at 1 or set run.clock = 'wall'")
     compression = compression_spec(config)
     if compression.structured != "none" or compression.sketched:
         name = config["algorithm"]["name"]
@@ -267,6 +279,14 @@ def network_parts(config: dict):
         raise ConfigError(str(exc)) from None
 
 
+def compute_model(config: dict):
+    """How the run's clients are charged for their local work (worker.devices)."""
+    from fedemu.worker.devices import ComputeModel
+
+    run = config["run"]
+    return ComputeModel(clock=run["clock"], charge=run["compute"], device_flops=run["device_flops"])
+
+
 def compression_spec(config: dict):
     """The [compression] section as a CompressionSpec; errors name the key."""
     from fedemu.worker.compression import CompressionSpec
@@ -281,7 +301,7 @@ def broker_network_file(config: dict) -> dict:
     """What `fedemu broker --network FILE` reads: the link part of [network]."""
     section = {k: v for k, v in config.get("network", {}).items() if k != "stragglers"}
     return {"num_clients": config["data"]["clients"], "seed": config["run"]["seed"],
-            "time_scale": config["run"]["time_scale"], "network": section}
+            "time_scale": config["run"]["time_scale"], "clock": config["run"]["clock"], "network": section}
 
 
 def _type_name(t: type | tuple) -> str:

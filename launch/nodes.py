@@ -44,12 +44,13 @@ def setup_logging(run_dir: Path | None, name: str, verbose: bool = False, stream
 
 def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
                max_message_bytes: int, network_file: Path | None = None, keys_file: Path | None = None) -> None:
-    network = None
+    network, clock = None, "wall"
     if network_file is not None:
         spec = json.loads(network_file.read_text())
         network = NetworkSpec.from_config(spec["network"], spec["num_clients"], spec["seed"], spec["time_scale"])
+        clock = spec.get("clock", "wall")
     broker = Broker(bind, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                    max_message_bytes=max_message_bytes, network=network,
+                    max_message_bytes=max_message_bytes, network=network, clock=clock,
                     **({"keys": _keys(keys_file)} if keys_file else {}))
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")
@@ -93,7 +94,10 @@ def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, p
 def _set_torch_threads(config: dict, workers: int) -> None:
     import torch
 
-    threads = config["run"]["torch_threads"] or max(1, (os.cpu_count() or 1) // max(workers, 1))
+    # Virtual time promises the same weights on any host and placement: a thread count
+    # that followed the cores would change how float sums are split, so it is one.
+    auto = 1 if config["run"]["clock"] == "virtual" else max(1, (os.cpu_count() or 1) // max(workers, 1))
+    threads = config["run"]["torch_threads"] or auto
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
 
@@ -119,7 +123,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         eval_every=algo["eval_every_uploads"] if asynchronous else run["eval_every"],
         target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
         max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
-        startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"],
+        startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
         on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
     )
@@ -171,7 +175,7 @@ def _compression(config: dict) -> dict | None:
 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
-    from fedemu.launch.config import network_parts
+    from fedemu.launch.config import compute_model, network_parts
     from fedemu.worker import data, kfold, partition
     from fedemu.worker.client import host_clients, placement
 
@@ -192,7 +196,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
             target=node.close, args=(stop_reason(signum),), daemon=True).start())
     host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
                  config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"],
-                 stragglers=stragglers, time_scale=config["run"]["time_scale"],
+                 stragglers=stragglers, compute=compute_model(config),
                  restarts=config["run"]["restart_clients"])
     node.wait()
     return 0

@@ -57,9 +57,11 @@ def curve(events: list[dict], time_scale: float = 1.0) -> Curve:
     rounds = [e for e in events if e.get("event") == "round"]
     start = next((e for e in events if e.get("event") == "start"), None)
     origin = 0.0
-    if rounds and rounds[0].get("emulated_s") is not None:
-        # The broker's clock starts before the workers are up; the run's own clock (t)
-        # starts with the server. Emulated time counts from the start event, scaled.
+    if start is not None and start.get("emulated_s") is not None:
+        origin = start["emulated_s"]  # the broker's clock when the run started (virtual time: 0)
+    elif rounds and rounds[0].get("emulated_s") is not None:
+        # Older logs: the broker's clock starts before the workers are up; the run's own
+        # clock (t) starts with the server. Emulated time counts from the start event, scaled.
         first = rounds[0]
         if start is not None:
             origin = first["emulated_s"] - (first["t"] - start["t"]) * start.get("time_scale", time_scale)

@@ -630,7 +630,7 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
     config = json.loads(json.dumps(p.config))
     wpp = layout.workers_per_point
     config["run"]["workers"] = wpp or 0
-    if hosts is None and not config["run"]["torch_threads"]:
+    if hosts is None and not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":
         # Points share the cores: torch's default (all cores per node) would oversubscribe.
         config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // (layout.parallel * wpp))
     run_rel = Path("runs") / p.id

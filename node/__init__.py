@@ -10,6 +10,7 @@ from .runtime import (
     Node,
     NodeError,
     Process,
+    Stalled,
     ThreadProcess,
 )
 from .security import KeyFileError, RunKeys
@@ -17,5 +18,5 @@ from .wire import Pid, WireError, message
 
 __all__ = [
     "BROKER_NODE", "Behaviour", "BehaviourProcess", "Broker", "Down", "KeyFileError", "Message", "Node",
-    "NodeError", "Pid", "Process", "RunKeys", "TIMEOUT", "ThreadProcess", "WireError", "message",
+    "NodeError", "Pid", "Process", "RunKeys", "Stalled", "TIMEOUT", "ThreadProcess", "WireError", "message",
 ]

@@ -45,6 +45,7 @@ import zmq
 from . import wire
 from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
 from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler, pending_monitor_events
+from .vclock import VirtualScheduler, sender_of
 from .wire import CTL, USER, VERSION, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
@@ -62,6 +63,14 @@ _unpackb = msgpack.unpackb
 # normally a fraction of a millisecond old; a much older one means a starved sender
 # or a bad clock estimate, and must not let a message skip most of its delay.
 MAX_SEND_AGE_S = 1.0
+
+# Broker-to-node messages that carry work for a node's processes: in virtual time the
+# broker counts them per node, and a node's idle report must have seen them all.
+RELAYED_OPS = frozenset({"monitor", "demonitor", "down"})  # between nodes, through here
+WORK_OPS = RELAYED_OPS | {"advance", "availability", "offline", "node_down", "stalled"}
+# Messages from a node that do not make it busy in virtual time's books.
+_QUIET_OPS = frozenset({"hb", "idle", "hello", "bye"})
+CLOCKS = ("wall", "virtual")
 
 
 @dataclass
@@ -122,7 +131,10 @@ class Broker:
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         network: NetworkSpec | None = None,
         keys: RunKeys | None = None,
+        clock: str = "wall",
     ) -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"clock = {clock!r}: use {' or '.join(CLOCKS)}")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.max_message_bytes = max_message_bytes
@@ -172,9 +184,16 @@ class Broker:
         self._devices_offline: set[int] = set()
         self._device_checks: list[tuple[float, int]] = []
         self._device_check_at: dict[int, float] = {}
+        # Virtual time: the broker owns the clock and holds every message until due.
+        self.scheduler = VirtualScheduler(self) if clock == "virtual" else None
+        if self.scheduler is not None:
+            self.time_scale = 1.0  # nothing waits on the wall clock
 
     def emulated_now(self) -> float:
-        """Emulated seconds since the broker started (wall seconds x time_scale)."""
+        """Emulated seconds since the run's clock started: wall seconds x time_scale
+        since the broker started, or the virtual clock's instant."""
+        if self.scheduler is not None:
+            return self.scheduler.now
         return (time.monotonic() - self._t0) * self.time_scale
 
     def _bind(self, bind: str) -> str:
@@ -200,7 +219,8 @@ class Broker:
         try:
             while self._running:
                 wake = next_check
-                if self._device_checks:
+                wall_devices = self._device_checks and self.scheduler is None
+                if wall_devices:
                     wake = min(wake, self._t0 + self._device_checks[0][0] / self.time_scale)
                 for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
                     if sock is self._sock:
@@ -209,7 +229,9 @@ class Broker:
                         self._monitor_events()
                     else:
                         self._zap.handle()
-                if self._device_checks:
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                elif wall_devices:
                     self._due_device_checks()
                 now = time.monotonic()
                 if now >= next_check:
@@ -280,6 +302,10 @@ class Broker:
                             and type(dst_node) is str and (type(dst) is int or type(dst) is str)
                             and (sent is None or type(sent) is float)):
                         info.last_seen = self._now
+                        if self.scheduler is not None:
+                            self.scheduler.heard(info.name)
+                            self._route_user(fields, frames, size, Pid(src_node, src_id))
+                            return
                         if dst_node:
                             target = self._nodes.get(dst_node)
                             dst_pid = (dst_node, dst)  # a Pid is a tuple: same hash, same key
@@ -322,13 +348,20 @@ class Broker:
             if header.dst_node == BROKER_NODE:
                 self._control(identity, header, frames, known=True)
             else:
+                if self.scheduler is not None:
+                    self.scheduler.heard(info.name)
                 self._route_ctl(header, frames)
             return
+        if self.scheduler is not None:
+            self.scheduler.heard(info.name)
         # A user message whose timing field is not a send time: route it, unstamped.
         self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
                          frames, size, header.src)
 
     def _route_user(self, fields: list, frames: list, size: int, src: Pid) -> None:
+        if self.scheduler is not None:  # takes effect at quiescence, in its place
+            self.scheduler.accept(src, "user", (fields, frames, size))
+            return
         dst_node, dst = fields[4], fields[5]
         if dst_node:
             dst_pid = Pid(dst_node, dst)
@@ -348,7 +381,17 @@ class Broker:
         self._send(target.identity, frames, target.name)
 
     def _route_ctl(self, header: wire.Header, msg: list) -> None:
-        """Runtime control between nodes (monitor, demonitor, down): relayed as is."""
+        """Runtime control between nodes (monitor, demonitor, down): relayed as is (in
+        virtual time, held and delivered at its instant like a message)."""
+        if self.scheduler is not None:
+            body = wire.unpack_body(msg[1].buffer, msg[2:])
+            watcher = body.get("watcher") if isinstance(body, dict) else None
+            receiver = watcher if isinstance(watcher, Pid) else (header.dst_node, header.dst)
+            self.scheduler.accept(sender_of(header.src, body), "ctl", (header, msg, receiver))
+            return
+        self._relay_ctl(header, msg)
+
+    def _relay_ctl(self, header: wire.Header, msg: list, hold=None) -> None:
         if header.dst_node:
             dst_node = header.dst_node
         else:
@@ -361,6 +404,9 @@ class Broker:
             sender = self._nodes.get(header.src.node)
             if sender is not None and dst_node is not None:
                 self._send_ctl(sender.identity, header.src, {"op": "node_down", "node": dst_node})
+            return
+        if hold is not None:
+            hold(target.name, msg)
             return
         self._send(target.identity, msg, target.name)
 
@@ -435,7 +481,13 @@ class Broker:
 
     def _notify_offline(self) -> None:
         """After a change that can take clients offline: every node drops what it holds
-        for the clients now offline (in flight when they went), and reports back."""
+        for the clients now offline (in flight when they went), and reports back. In
+        virtual time the broker holds it all, and drops it here."""
+        if self.scheduler is not None:
+            emulated = self.scheduler.now
+            self.scheduler.drop_held(lambda link: self.network.is_offline(link, emulated),
+                                     lambda link, direction: self._lost(link, direction, "offline"))
+            return
         now = time.monotonic()
         for link in [k for k, until in self._flight_until.items() if until <= now]:
             del self._flight_until[link]  # nothing of it is held anywhere any more
@@ -519,6 +571,8 @@ class Broker:
                 log.warning("node %s said hello again; keeping its registrations", src.node)
             info = self._nodes[src.node] = _NodeInfo(src.node, identity, time.monotonic())
             self._by_identity[identity] = info
+            if self.scheduler is not None and not known:
+                self.scheduler.join(src.node)
             log.info("node %s joined", src.node)
             self._send_ctl(identity, src, {
                 "op": "welcome",
@@ -526,13 +580,24 @@ class Broker:
                 "heartbeat_timeout": self.heartbeat_timeout,
                 # Echo and this clock: the node's first estimate of its clock offset.
                 "t": body.get("t"), "now": time.monotonic(),
+                "clock": "virtual" if self.scheduler is not None else "wall", "time_scale": float(self.time_scale),
             })
             return
         if not known:
             self._drop("unknown-node", f"{op!r} from {src.node!r} before hello")
             self._send_ctl(identity, src, {"op": "unknown_node"})
             return
-        if op == "hb":
+        if self.scheduler is not None and op not in _QUIET_OPS:
+            self.scheduler.heard(src.node)
+        if op == "idle":
+            if self.scheduler is None:
+                raise WireError("idle reports are for virtual time; this broker runs on wall time")
+            self.scheduler.report(src.node, body.get("seen"), body.get("next"))
+        elif op == "clock_start":
+            if self.scheduler is not None and not self.scheduler.started:
+                self.scheduler.started = True
+                log.info("virtual clock started by %s", src)
+        elif op == "hb":
             # The node times the round trip: its send time echoed, and this clock.
             self._send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})
         elif op == "register":
@@ -541,9 +606,12 @@ class Broker:
             names = body.get("names")
             if not isinstance(names, list):
                 raise WireError("unregister needs a list of names")
-            for name in names:
-                if isinstance(name, str) and self._names.get(name, (None,))[0] == src.node:
-                    self._disown(self._names.pop(name))
+            pid = body.get("pid")
+            if self.scheduler is not None:  # after the process's last messages, in their order
+                self.scheduler.accept(pid if isinstance(pid, Pid) and pid.node == src.node else src, "unregister",
+                                      (src.node, names))
+            else:
+                self._unregister(src.node, names)
         elif op == "whereis":
             name = body.get("name")
             if not isinstance(name, str):
@@ -563,18 +631,18 @@ class Broker:
             round_ = body.get("round")
             if type(round_) is not int:
                 raise WireError(f"round {round_!r} is not an integer")
-            self.network.round = round_
-            self._scripted_events(round_=round_)
-            if self.network.availability is not None:
-                self._notify_offline()  # the new round's drop-outs
-                if self.network.availability.per_round > 0:
-                    self._check_devices(list(self._owners))
+            by = body.get("by")
+            if self.scheduler is not None:
+                self.scheduler.accept(by if isinstance(by, Pid) and by.node == src.node else src, "round", round_)
+            else:
+                self._apply_round(round_)
         elif op == "set_links":
-            error = self._set_links(body)
-            if error is None and body.get("offline") is True:
-                self._notify_offline()
-            if error is None and isinstance(body.get("offline"), bool):
-                self._check_devices(list(self._owners))
+            error = self._check_set_links(body)
+            if error is None:
+                if self.scheduler is not None:
+                    self.scheduler.accept(src, "set_links", body)
+                else:
+                    self._apply_set_links(body)
             self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
         elif op == "held_dropped":
             self._held_dropped(body.get("counts"))
@@ -587,6 +655,11 @@ class Broker:
             self._forget(src.node, reason=None)
         else:
             raise WireError(f"unknown control op {op!r}")
+
+    def _unregister(self, node: str, names: list) -> None:
+        for name in names:
+            if isinstance(name, str) and self._names.get(name, (None,))[0] == node:
+                self._disown(self._names.pop(name))
 
     def _register(self, identity: bytes, src: Pid, entries: Any) -> None:
         if not isinstance(entries, list):
@@ -622,18 +695,39 @@ class Broker:
 
     # --- changing the network while it runs ----------------------------------------------
 
-    def _set_links(self, body: dict) -> str | None:
-        """Give a group of clients a named profile, or force them offline/online.
-        Returns None, or the error that names what was wrong (nothing is changed)."""
+    def _apply_round(self, round_: int) -> None:
+        self.network.round = round_
+        self._scripted_events(round_=round_)
+        if self.network.availability is not None:
+            self._notify_offline()  # the new round's drop-outs
+            if self.network.availability.per_round > 0:
+                self._check_devices(list(self._owners))
+
+    def _check_set_links(self, body: dict) -> str | None:
+        """None if a set_links request is valid, else the error that names what is wrong."""
         try:
             if self.spec is None:
                 raise LinkConfigError("this broker runs without a network spec")
-            clients = parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
+            parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
             profile = body.get("profile")
             if profile is not None and profile not in self.spec.profiles:
                 raise LinkConfigError(f"profile {profile!r} is unknown; profiles are {', '.join(self.spec.profiles)}")
         except LinkConfigError as exc:
             return str(exc)
+        return None
+
+    def _apply_set_links(self, body: dict) -> None:
+        self._set_links(body)
+        if body.get("offline") is True:
+            self._notify_offline()
+        if isinstance(body.get("offline"), bool):
+            self._check_devices(list(self._owners))
+
+    def _set_links(self, body: dict) -> None:
+        """Give a group of clients a named profile, or force them offline/online (the
+        request was checked by _check_set_links)."""
+        clients = parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
+        profile = body.get("profile")
         if profile is not None:
             self.spec.apply(self.network, profile, clients)
             log.info("clients %s now on profile %s", _ids_text(clients), profile)
@@ -642,7 +736,6 @@ class Broker:
         elif body.get("offline") is False:
             self.network.offline -= clients
         self._emulating = not self.network.ideal
-        return None
 
     def _scripted_events(self, round_: int | None) -> None:
         if self.spec is None:
@@ -706,7 +799,11 @@ class Broker:
             lists["offline" if offline else "online"].append(pid[1])
         for node, lists in by_node.items():
             info = self._nodes.get(node)
-            if info is not None:
+            if info is None:
+                continue
+            if self.scheduler is not None:  # at the instant it happens, with the node's next advance
+                self.scheduler.notify(node, {"op": "availability", **lists})
+            else:
                 self._send_ctl(info.identity, Pid(node, 0), {"op": "availability", **lists})
 
     # --- liveness -------------------------------------------------------------------
@@ -721,6 +818,8 @@ class Broker:
         if info is None:
             return
         self._by_identity.pop(info.identity, None)
+        if self.scheduler is not None:
+            self.scheduler.leave(node)
         if reason:
             log.warning("node %s lost (%s)", node, reason)
         else:
@@ -736,7 +835,92 @@ class Broker:
     # --- helpers ----------------------------------------------------------------------
 
     def _send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None:
-        self._send(identity, wire.encode(CTL, BROKER_PID, dst, body), identity.decode(errors="replace"))
+        node = identity.decode(errors="replace")
+        if self.scheduler is not None and body.get("op") in WORK_OPS:
+            self.scheduler.counted(node)
+        self._send(identity, wire.encode(CTL, BROKER_PID, dst, body), node)
+
+    # --- virtual time (the scheduler's calls) -----------------------------------------
+
+    def _send_work(self, node: str, frames: list) -> None:
+        """A delivery of the current instant to ``node`` (counted in its books)."""
+        info = self._nodes.get(node)
+        if info is not None:
+            self.scheduler.counted(node)
+            self._send(info.identity, frames, node)
+
+    def _send_work_ctl(self, node: str, body: dict) -> None:
+        info = self._nodes.get(node)
+        if info is not None:
+            self._send_ctl(info.identity, Pid(node, 0), body)
+
+    def _virtual_input(self, sender: Pid, sequence: int, kind: str, payload) -> None:
+        """One thing a process sent during the instant, taken in its place in the order."""
+        if kind == "user":
+            self._transmit_virtual(sender, sequence, *payload)
+        elif kind == "ctl":
+            header, frames, receiver = payload
+            self._relay_ctl(header, frames, hold=lambda node, msg: self.scheduler.hold(
+                self.scheduler.now, sender, sequence, receiver, node, msg))
+        elif kind == "round":
+            self._apply_round(payload)
+        elif kind == "set_links":
+            self._apply_set_links(payload)
+        elif kind == "unregister":
+            self._unregister(*payload)
+
+    def _transmit_virtual(self, src: Pid, sequence: int, fields: list, frames: list, size: int) -> None:
+        """A message sent at the current instant: through its link's model (if it
+        crosses one) to its due time, then held until then."""
+        dst_node, dst = fields[4], fields[5]
+        if dst_node:
+            dst_pid = Pid(dst_node, dst)
+        else:
+            dst_pid = self._names.get(dst)
+            if dst_pid is None:
+                self._drop("unknown-destination", f"no process registered as {dst!r}")
+                return
+        target = self._nodes.get(dst_pid.node)
+        if target is None:
+            self._drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
+            return
+        now = self.scheduler.now
+        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
+        if crossing is None or not self._emulating:
+            self.scheduler.hold(now, src, sequence, dst_pid, target.name, frames)
+            return
+        link, direction = crossing
+        verdict = self.network.transmit(link, direction, size, now)
+        if verdict.dropped is not None:
+            self._lost(link, direction, verdict.dropped)
+            return
+        c = self._counters(link)
+        if direction == UP:
+            c.up_transfer_s += verdict.transfer_s
+        else:
+            c.down_transfer_s += verdict.transfer_s
+        if self.network.is_offline(link, verdict.arrival):
+            self._lost(link, direction, "offline")
+            return
+        self.scheduler.hold(verdict.arrival, src, sequence, dst_pid, target.name, frames, link, direction)
+
+    def _clock_moved(self) -> None:
+        """The virtual clock moved on: time-based availability changes and scripted
+        events due by now take effect."""
+        self._due_device_checks()
+        self._scripted_events(round_=None)
+
+    def _next_scheduled_change(self) -> float:
+        """When the network next changes by itself (availability, a scripted event)."""
+        checks = self._device_checks
+        while checks and self._device_check_at.get(checks[0][1]) != checks[0][0]:
+            heapq.heappop(checks)  # superseded by a later look at that link
+        soonest = checks[0][0] if checks else math.inf
+        if self.spec is not None:
+            for event in self.spec.events:
+                if event.at_s is not None and not event.done:
+                    soonest = min(soonest, event.at_s)
+        return soonest
 
     def _drop(self, reason: str, detail: str) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1

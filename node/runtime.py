@@ -42,7 +42,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 import zmq
 
 from . import wire
-from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
+from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID, RELAYED_OPS, WORK_OPS
+from .clock import TimerRef, VirtualClock, WallClock, WallTimers
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
 from .wire import CTL, USER, Hold, Pid, WireError, message
 
@@ -56,7 +57,7 @@ CLOCK_SAMPLES = 16
 QUICK_SYNC_BEATS, QUICK_SYNC_INTERVAL = 5, 0.01
 # Control ops only the broker may send; from anyone else they are spoofed.
 _BROKER_OPS = frozenset({"welcome", "hb", "reply", "node_down", "shutdown", "unknown_node", "offline",
-                         "register_failed", "availability"})
+                         "register_failed", "availability", "advance", "stalled"})
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -84,6 +85,16 @@ class Down:
     ref: int
     pid: Pid
     reason: str
+
+
+@message
+class Stalled:
+    """Virtual time only: the whole run is quiescent and nothing is pending (no message in
+    flight or held, no timer, no scheduled change): no process can ever run again unless
+    a real fault happens. Offered to every thread process blocked in a receive that
+    accepts it: how a run notices a deadlock the moment it happens."""
+
+    now: float
 
 
 class Message(NamedTuple):
@@ -154,15 +165,20 @@ class Process:
 
     def send_after(self, delay: float, dst: Pid | str, body: Any, *, unless_offline: bool = False
                    ) -> TimerRef | None:
-        """Send ``body`` after ``delay`` wall seconds, without blocking this process
-        (Erlang's send_after): how a client emulates a slower device. Returns a
-        reference whose ``cancel()`` stops a send not yet made (None if sent now).
-        With ``unless_offline`` the send is skipped if this process's link goes offline
-        first: the device's work it stands for was lost with the device."""
+        """Send ``body`` after ``delay`` emulated seconds (the node's clock), without
+        blocking this process (Erlang's send_after): how a client emulates a slower
+        device. Returns a reference whose ``cancel()`` stops a send not yet made (None if
+        sent now). With ``unless_offline`` the send is skipped if this process's link goes
+        offline first: the device's work it stands for was lost with the device."""
         if delay <= 0:
             self.send(dst, body)
             return None
-        return self.node._timers.add(delay, (USER, self.pid, dst, body), self if unless_offline else None)
+        return self.node._add_timer(delay, (USER, self.pid, dst, body), self if unless_offline else None)
+
+    def now(self) -> float:
+        """Emulated seconds on the run's clock (wall x time_scale, or the broker's
+        virtual time); only differences between two readings mean anything."""
+        return self.node.clock.now()
 
     def has_message(self, match: Match) -> bool:
         """Whether a message whose body matches is waiting in the mailbox, left there
@@ -182,87 +198,30 @@ class Process:
             self._deliver(msg)
 
 
-class TimerRef:
-    """A pending send_after; ``cancel()`` stops it if it has not fired (Erlang's cancel_timer)."""
-
-    __slots__ = ("due", "seq", "args", "cancelled", "fired", "owner", "offline_count", "_lock")
-
-    def __init__(self, due: float, seq: int, args: tuple, owner: Process | None, lock: threading.Condition) -> None:
-        self.due, self.seq, self.args, self.cancelled, self.fired = due, seq, args, False, False
-        # Skipped if the owner's link has gone offline by then (send_after's unless_offline).
-        self.owner = owner
-        self.offline_count = owner.offline_count if owner is not None else 0
-        self._lock = lock
-
-    def __lt__(self, other: TimerRef) -> bool:
-        return (self.due, self.seq) < (other.due, other.seq)
-
-    def cancel(self) -> bool:
-        """Stop the send; True if it had not been made (and now never will be)."""
-        with self._lock:
-            self.cancelled = True
-            return not self.fired
-
-
-class _Timers:
-    """Every send_after of a node on one thread and a heap: a run keeps thousands of
-    timers pending (retries, straggler holds), far too many for a thread each."""
-
-    def __init__(self, fire: Callable[..., None], name: str) -> None:
-        self._fire = fire
-        self._name = name
-        self._heap: list[TimerRef] = []
-        self._seq = itertools.count()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def add(self, delay: float, args: tuple, owner: Process | None = None) -> TimerRef:
-        ref = TimerRef(time.monotonic() + delay, next(self._seq), args, owner, self._cond)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"{self._name}-timers", daemon=True)
-                self._thread.start()
-            heapq.heappush(self._heap, ref)
-            if self._heap[0] is ref:
-                self._cond.notify()
-        return ref
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._heap.clear()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or self._heap[0].due > time.monotonic()):
-                    self._cond.wait(self._heap[0].due - time.monotonic() if self._heap else None)
-                if self._closed:
-                    return
-                ref = heapq.heappop(self._heap)
-                # Decided under the lock, so cancel() knows for sure whether it was sent.
-                ref.fired = not ref.cancelled and (ref.owner is None
-                                                   or ref.owner.offline_count == ref.offline_count)
-            if ref.fired:
-                try:
-                    self._fire(*ref.args)
-                except Exception:  # one failed send must not stop every later timer
-                    log.exception("node %s: a timed send failed", self._name)
-
-
 class ThreadProcess(Process):
     def __init__(self, node: Node, pid: Pid) -> None:
         super().__init__(node, pid)
         self._arrived = threading.Condition(self._lock)
+        # Virtual time: the matcher of the receive this process is blocked in (None while
+        # it runs), why it was woken, and which wait a receive timeout belongs to.
+        self._waiting: Callable[[Any], bool] | None = None
+        self._woken: str | None = None
+        self._wait_id = 0
 
-    def receive(self, match: Match = None, timeout: float | None = None) -> Message | _Timeout:
+    def receive(self, match: Match = None, timeout: float | None = None, *,
+                wall_timeout: float | None = None) -> Message | _Timeout:
         """Selective receive: remove and return the first queued message whose body
         matches (a predicate, a type or a tuple of types); leave the others queued.
-        Returns :data:`TIMEOUT` if nothing matches within ``timeout`` seconds."""
+        Returns :data:`TIMEOUT` if nothing matches within ``timeout`` emulated seconds
+        (the run's clock), or within ``wall_timeout`` seconds of real time (for waits on
+        real processes: start-up, a watchdog), whichever comes first."""
         accept = _matcher(match)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.node.clock.virtual:
+            return self._receive_virtual(accept, timeout, wall_timeout)
+        deadline = None if timeout is None else time.monotonic() + self.node.clock.wall_seconds(timeout)
+        if wall_timeout is not None:
+            wall_deadline = time.monotonic() + wall_timeout
+            deadline = wall_deadline if deadline is None else min(deadline, wall_deadline)
         scanned = 0  # messages already rejected need no second look
         with self._arrived:
             while True:
@@ -281,14 +240,77 @@ class ThreadProcess(Process):
                         return TIMEOUT
                     self._arrived.wait(remaining)
 
-    def _deliver(self, msg: Message) -> None:
+    def _receive_virtual(self, accept: Callable[[Any], bool], timeout: float | None,
+                         wall_timeout: float | None) -> Message | _Timeout:
+        """The same, on virtual time: blocked here, the process counts as idle (the clock
+        may move); a matching delivery, its timeout's timer or ``wall_timeout`` wakes it,
+        and whoever wakes it counts it busy again at that moment."""
+        node = self.node
+        wall_deadline = None if wall_timeout is None else time.monotonic() + wall_timeout
         with self._arrived:
-            self._mailbox.append(msg)
-            self._arrived.notify()
+            msg = self._take(accept)
+            if msg is not None:
+                return msg
+            if (timeout is not None and timeout <= 0) or (wall_timeout is not None and wall_timeout <= 0):
+                return TIMEOUT
+            self._wait_id += 1
+            self._waiting, self._woken = accept, None
+            timer = node.clock.add(timeout, (self, self._wait_id)) if timeout is not None else None
+            node._busy_down()
+            while self._woken is None:
+                remaining = None if wall_deadline is None else wall_deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self._waiting, self._woken = None, "wall"
+                    node._busy_up()
+                    break
+                self._arrived.wait(remaining)
+            woken = self._woken
+            if timer is not None:
+                timer.cancel()
+            return self._take(accept) if woken == "message" else TIMEOUT
+
+    def _take(self, accept: Callable[[Any], bool]) -> Message | None:
+        box = self._mailbox
+        for i in range(len(box)):
+            if accept(box[i].body):
+                msg = box[i]
+                del box[i]
+                return msg
+        return None
+
+    def _wake(self, why: str) -> None:
+        """(Under the lock.) Virtual time: make a blocked receive runnable again."""
+        self._waiting, self._woken = None, why
+        self.node._busy_up()
+        self._arrived.notify()
+
+    def _timer_fired(self, wait_id: int) -> None:
+        """Virtual time: a receive's timeout is due (the I/O thread, at an advance)."""
+        with self._arrived:
+            if self._waiting is not None and self._wait_id == wait_id:
+                self._wake("timeout")
+
+    def _offer(self, msg: Message) -> None:
+        """Deliver ``msg`` only if the blocked receive takes it (a Stalled notice)."""
+        with self._arrived:
+            if self._waiting is not None and self._waiting(msg.body):
+                self._mailbox.append(msg)
+                self._wake("message")
+
+    def _deliver(self, msg: Message) -> None:
+        self._deliver_many((msg,))
 
     def _deliver_many(self, msgs: Iterable[Message]) -> None:
         with self._arrived:
-            self._mailbox.extend(msgs)
+            box = self._mailbox
+            before = len(box)
+            box.extend(msgs)
+            waiting = self._waiting
+            if waiting is not None:
+                for i in range(before, len(box)):
+                    if waiting(box[i].body):
+                        self._wake("message")
+                        return
             self._arrived.notify()
 
 
@@ -333,16 +355,17 @@ class BehaviourProcess(Process):
     def _deliver_many(self, msgs: Iterable[Message]) -> None:
         with self._lock:
             self._mailbox.extend(msgs)
-            if self._scheduled:
+            if self._scheduled or not self.alive:
                 return
             self._scheduled = True
+            self.node._busy_up()  # runnable from now until its mailbox is empty (virtual time)
         self.node._pool_submit(self._run)
 
     def _run(self) -> None:
         for _ in range(self._BATCH):
             with self._lock:
                 if not self._mailbox or not self.alive:
-                    self._scheduled = False
+                    self._unschedule()
                     return
                 msg = self._mailbox.popleft()
             try:
@@ -352,11 +375,21 @@ class BehaviourProcess(Process):
                     self.behaviour.handle(self, msg)
             except Exception as exc:
                 self.node._exit(self, _crash_reason(exc))
+                with self._lock:
+                    self._unschedule()
                 return
             if self._stop_reason is not None:
                 self.node._exit(self, self._stop_reason)
+                with self._lock:
+                    self._unschedule()
                 return
         self.node._pool_submit(self._run)  # more queued: requeue behind other processes
+
+    def _unschedule(self) -> None:
+        """(Under the lock.) Nothing left to run: idle until the next delivery."""
+        if self._scheduled:
+            self._scheduled = False
+            self.node._busy_down()
 
 
 # Messages the I/O thread decodes before handing them over: small enough that the first
@@ -437,7 +470,17 @@ class Node:
         self._held: list = []
         self._held_seq = itertools.count()
         self._held_pairs: dict[tuple[Pid, int], list] = {}
-        self._timers = _Timers(self._send, name)
+        # The run's clock: wall until the broker's welcome says otherwise (virtual time).
+        self.clock: WallClock | VirtualClock = WallClock()
+        self._timers = WallTimers(self._send, name, self.clock, log)
+        # Virtual time's books (see _report_if_idle): processes runnable or computing now;
+        # work messages received from the broker; whether the broker must hear from us
+        # again; messages of the current instant's batch still to come before the timers.
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+        self._seen = 0
+        self._report_due = True
+        self._batch_left = 0
         # Deliveries the I/O thread has decoded but not yet handed over, per process: a
         # burst is handed over in groups, so a receiving thread wakes (and takes the GIL
         # from the I/O thread) once per group, not once per message.
@@ -493,6 +536,7 @@ class Node:
             self._io_thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._timers.close()
+        self.clock.close() if self.clock.virtual else None
         for callback in self.on_close:
             callback(reason)
 
@@ -505,7 +549,12 @@ class Node:
         """Run ``fn(proc, *args)`` in a thread process; it ends when ``fn`` returns
         (reason ``normal``) or raises (reason ``crash: ...``)."""
         proc = ThreadProcess(self, Pid(self.name, next(self._ids)))
-        self._add(proc, name, link)
+        self._busy_up()  # runnable from birth until it blocks in a receive, or ends
+        try:
+            self._add(proc, name, link)
+        except Exception:
+            self._busy_down()
+            raise
 
         def run() -> None:
             reason = "normal"
@@ -514,6 +563,7 @@ class Node:
             except Exception as exc:
                 reason = _crash_reason(exc)
             self._exit(proc, reason)
+            self._busy_down()
 
         threading.Thread(target=run, name=f"{self.name}-{proc.pid.id}", daemon=True).start()
         return proc.pid
@@ -561,10 +611,17 @@ class Node:
         """The broker's traffic counters (bytes and messages per direction, drops)."""
         return self.call_broker({"op": "stats", "per_link": per_link}, timeout)
 
-    def announce_round(self, round_: int) -> None:
+    def announce_round(self, round_: int, by: Pid | None = None) -> None:
         """Tell the broker's network which round starts (per-round drop-outs and
-        round-scripted link changes key on it). Nothing comes back."""
-        self._send_ctl(BROKER_PID, {"op": "round", "round": round_})
+        round-scripted link changes key on it). Nothing comes back. ``by``: the process
+        announcing it, whose messages around it keep their order in virtual time."""
+        self._send_ctl(BROKER_PID, {"op": "round", "round": round_, "by": by})
+
+    def start_clock(self) -> None:
+        """Start the run's emulated time (virtual time: until now the clock stood at 0
+        while real processes started up; wall time: nothing to do)."""
+        if self.clock.virtual:
+            self._send_ctl(BROKER_PID, {"op": "clock_start"})
 
     def set_links(self, clients: str | list[int], profile: str | None = None, offline: bool | None = None,
                   timeout: float = 5.0) -> None:
@@ -611,7 +668,7 @@ class Node:
                 self._names.pop(name, None)
             watchers = self._monitors.pop(proc.pid.id, [])
         if proc.names and not self.closed.is_set():
-            self._send_ctl(BROKER_PID, {"op": "unregister", "names": proc.names})
+            self._send_ctl(BROKER_PID, {"op": "unregister", "names": proc.names, "pid": proc.pid})
         if isinstance(proc, BehaviourProcess):
             try:
                 proc.behaviour.stopped(proc, reason)
@@ -672,6 +729,66 @@ class Node:
         for ref, watcher, target in lost:
             self._deliver_local(target, watcher.id, Down(ref, target, "noconnection"))
 
+    # --- time ------------------------------------------------------------------------------
+
+    def _add_timer(self, delay: float, args: tuple, owner: Process | None) -> TimerRef:
+        if self.clock.virtual:
+            return self.clock.add(delay, args, owner)
+        return self._timers.add(delay, args, owner)
+
+    def _busy_up(self) -> None:
+        if self.clock.virtual:
+            with self._busy_lock:
+                self._busy += 1
+
+    def _busy_down(self) -> None:
+        if self.clock.virtual:
+            with self._busy_lock:
+                self._busy -= 1
+                idle = self._busy == 0
+            if idle:
+                self._wake()  # the I/O thread tells the broker
+
+    def _fire_timers(self) -> None:
+        """Virtual time (I/O thread), after an advance's batch was handed over: every
+        timer now due, in order. A send goes out (or into a local mailbox); a receive's
+        timeout wakes its process."""
+        self._hand_over()
+        for ref in self.clock.due():
+            if isinstance(ref.args[0], ThreadProcess):
+                ref.args[0]._timer_fired(ref.args[1])
+                continue
+            try:
+                self._send(*ref.args)
+            except Exception:  # one failed send must not stop the later timers
+                log.exception("node %s: a timed send failed", self.name)
+
+    def _report_if_idle(self) -> None:
+        """Virtual time (I/O thread): when no process of this node is runnable, no
+        message is waiting to go out or to be handed over, and the current batch has
+        arrived, tell the broker, with the work messages seen so far (so it knows none
+        is still on its way here) and the earliest timer. Sent again whenever the
+        broker may have a stale picture: after work arrived or anything went out."""
+        if not self._report_due:
+            return
+        self._report_due = False  # cleared before looking: a send racing this sets it again
+        if self._busy or self._outbox or self._to_hand_over_count or self._batch_left or not self._welcomed.is_set():
+            self._report_due = True
+            return
+        frames = wire.encode(CTL, Pid(self.name, 0), BROKER_PID,
+                             {"op": "idle", "seen": self._seen, "next": self.clock.earliest()})
+        self._ship(frames)
+
+    def _count_work(self, in_batch: bool) -> None:
+        """(I/O thread) A work message from the broker arrived (virtual time's books);
+        ``in_batch``: a delivery of the current instant, after which due timers fire."""
+        self._seen += 1
+        self._report_due = True
+        if in_batch and self._batch_left:
+            self._batch_left -= 1
+            if not self._batch_left:
+                self._fire_timers()
+
     # --- sending ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -683,7 +800,10 @@ class Node:
             local = self._names.get(dst)
             if local is not None:
                 dst = local.pid
-        if isinstance(dst, Pid) and dst.node == self.name:
+        # In virtual time only a process's messages to itself stay in the node: between
+        # two processes, even on one node, the broker orders what happens at an instant.
+        # The node's own word (a signal handler's Stop) is a real-time event: it stays too.
+        if isinstance(dst, Pid) and dst.node == self.name and (dst == src or src.id == 0 or not self.clock.virtual):
             # Local delivery still goes through the codec: a receiver never shares
             # mutable state with the sender, wherever it lives.
             frames = wire.encode(kind, src, dst, body)
@@ -695,14 +815,17 @@ class Node:
             return
         # The send time, in the broker's clock: where an emulated link's clock starts.
         offset = self._clock_offset
-        sent = time.monotonic() + offset if offset is not None and kind == USER else None
+        sent = time.monotonic() + offset if offset is not None and kind == USER and not self.clock.virtual else None
         self._outbox.append(wire.encode(kind, src, dst, body, sent))
+        self._report_due = True
         self._wake()
 
     def _send_ctl(self, dst: Pid, body: dict) -> None:
         if self.closed.is_set() and body.get("op") != "bye":
             return
         self._outbox.append(wire.encode(CTL, Pid(self.name, 0), dst, body))
+        if body.get("op") != "hb":  # the broker reads anything else as this node being busy
+            self._report_due = True
         self._wake()
 
     def _wake(self) -> None:
@@ -785,6 +908,10 @@ class Node:
                 if held:
                     self._release_due()
                 self._hand_over()
+                if self.clock.virtual:
+                    while self._outbox:  # what fired timers sent, before saying we are idle
+                        self._ship(self._outbox.popleft())
+                    self._report_if_idle()
                 if watching and (self._handshake_monitor in ready or self._welcomed.is_set()):
                     watching = self._watch_handshake(poller)
         except Exception:
@@ -865,6 +992,8 @@ class Node:
                 self._arrive(header.src, dst, body, header.timing)
             else:
                 self._io_deliver(header.src, dst, body)
+            if self.clock.virtual:
+                self._count_work(in_batch=True)
         else:
             self._hand_over()  # what came before a control message (a DOWN) is delivered before it
             if not isinstance(body, dict) or not isinstance(body.get("op"), str):
@@ -877,6 +1006,8 @@ class Node:
                 self._control(header, body)
             except Exception as exc:  # whatever a peer sends, the I/O thread lives on
                 self._drop("malformed", f"control message {body!r}: {type(exc).__name__}: {exc}")
+            if self.clock.virtual and body["op"] in WORK_OPS:
+                self._count_work(in_batch=body["op"] in RELAYED_OPS)
 
     # --- holding emulated messages until due ---------------------------------------------
 
@@ -963,6 +1094,16 @@ class Node:
                 if isinstance(proc, BehaviourProcess):
                     proc._deliver(Message(BROKER_PID, _LinkChange(state)))
 
+    def _set_clock(self, kind: Any, time_scale: Any) -> None:
+        """The run's clock, as the broker's welcome says (before any process exists)."""
+        if kind == "virtual":
+            self.clock = VirtualClock()
+            self._report_due = True
+        elif kind == "wall" and type(time_scale) is float and time_scale > 0:
+            self.clock.time_scale = time_scale
+        else:
+            raise ValueError(f"unknown clock {kind!r} (time scale {time_scale!r})")
+
     def _clock_sample(self, body: dict) -> None:
         """A round trip to the broker (our send time echoed, the broker's clock): its
         offset is known to within half the round trip, so the shortest recent wins."""
@@ -1005,7 +1146,28 @@ class Node:
             return
         if op == "welcome":
             self._clock_sample(body)
+            self._set_clock(body.get("clock", "wall"), body.get("time_scale", 1.0))
             self._welcomed.set()
+        elif op == "advance":
+            # Virtual time: the clock is at `now`; the broker's notices for this instant
+            # apply first, `count` deliveries of it follow, then this node's timers due
+            # by now fire (one message, so nothing runs at the new instant before it is set).
+            now, count, notices = body.get("now"), body.get("count"), body.get("notices", [])
+            if type(now) is not float or type(count) is not int or count < 0 or not isinstance(notices, list):
+                raise ValueError("advance needs a time, a count and a list of notices")
+            self.clock.advance(now)
+            for notice in notices:
+                if not isinstance(notice, dict) or notice.get("op") not in ("availability", "offline", "node_down"):
+                    raise ValueError(f"advance carries an unknown notice {notice!r}")
+                self._control(header, notice)
+            self._batch_left = count
+            if not count:
+                self._fire_timers()
+        elif op == "stalled":
+            self.clock.advance(float(body.get("now", 0.0))) if self.clock.virtual else None
+            for proc in self.processes():
+                if isinstance(proc, ThreadProcess):
+                    proc._offer(Message(BROKER_PID, Stalled(float(body.get("now", 0.0)))))
         elif op == "reply":
             waiter = self._replies.pop(body["ref"], None)
             if waiter is not None:
@@ -1062,5 +1224,5 @@ class Node:
 
 __all__ = [
     "Behaviour", "BehaviourProcess", "Down", "Message", "Node", "NodeError", "Pid",
-    "Process", "ThreadProcess", "TIMEOUT", "BROKER_NODE",
+    "Process", "Stalled", "ThreadProcess", "TIMEOUT", "BROKER_NODE",
 ]

@@ -145,8 +145,7 @@ class AsyncEngine(Engine):
         self.replies: dict[int, ModelReply | None] = {}
         # Clients not heard from since their AsyncStart: that message, when to resend it,
         # and how many times it was resent (each wait is longer: protocol.retry_wait).
-        self.unheard: dict[int, tuple[AsyncStart, float, int]] = {}
-        self.retry_wall_s = settings.retry_s / settings.time_scale
+        self.unheard: dict[int, tuple[AsyncStart, float, int]] = {}  # due: emulated seconds
         self.duplicates = 0  # repeated requests seen since the last evaluation
         self.starts_resent = 0  # AsyncStarts resent since the last evaluation
 
@@ -173,16 +172,16 @@ class AsyncEngine(Engine):
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
             compression=s.compression if self.codec else None, retry_s=s.retry_s)
         self._send_model(proc, k, self.pids[k], start)
-        self.unheard[k] = (start, time.monotonic() + self.retry_wall_s, 0)
+        self.unheard[k] = (start, proc.now() + s.retry_s, 0)
 
     def _resend_starts(self, proc: ThreadProcess) -> float:
         """Resend AsyncStart (the same message: same model number) to every client not
         heard from within the retry interval; returns when the next one is due."""
-        now = time.monotonic()
+        now = proc.now()
         for k, (start, due, resends) in list(self.unheard.items()):
             if due <= now:
                 proc.send(self.pids[k], start)
-                self.unheard[k] = (start, now + retry_wait(self.retry_wall_s, resends + 1), resends + 1)
+                self.unheard[k] = (start, now + retry_wait(self.settings.retry_s, resends + 1), resends + 1)
                 self.starts_resent += 1
                 log.info("client %d not heard from since its start: AsyncStart resent", k)
         return min((due for _, due, _ in self.unheard.values()), default=math.inf)
@@ -195,7 +194,8 @@ class AsyncEngine(Engine):
         while True:
             next_start = self._resend_starts(proc)
             msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
-                                min(last_progress + s.progress_timeout_s, next_start) - time.monotonic())
+                                timeout=None if next_start == math.inf else next_start - proc.now(),
+                                wall_timeout=last_progress + s.progress_timeout_s - time.monotonic())
             if msg is TIMEOUT:
                 if time.monotonic() >= last_progress + s.progress_timeout_s:
                     self._stall(evaluation)
@@ -347,12 +347,20 @@ class AsyncEngine(Engine):
         self.duplicates = self.starts_resent = 0
         return self._finished(evaluation, accuracy)
 
-    def _stall(self, evaluation: int) -> None:
-        """The watchdog: nothing was aggregated for progress_timeout_s. Say what everyone
-        was last seen doing, and keep going (a provable deadlock stops the run instead)."""
+    def waiting_for(self) -> str:
+        return "an age request, fetch or upload from any client (" + "; ".join(
+            f"{state}: {len(ks)}" for state, ks in self._clients_by_state().items()) + ")"
+
+    def _clients_by_state(self) -> dict[str, list[int]]:
         by_state: dict[str, list[int]] = {}
         for k in sorted(self.live):
             by_state.setdefault(self.doing.get(k, "unknown"), []).append(k)
+        return by_state
+
+    def _stall(self, evaluation: int) -> None:
+        """The watchdog: nothing was aggregated for progress_timeout_s. Say what everyone
+        was last seen doing, and keep going (a provable deadlock stops the run instead)."""
+        by_state = self._clients_by_state()
         self.runlog.event("stall", round=evaluation, waiting_s=self.settings.progress_timeout_s,
                           server="waiting for an age request, fetch or upload", clients=by_state, age=self.age,
                           duplicate_requests=self.duplicates, starts_resent=self.starts_resent)

@@ -19,13 +19,14 @@ event that names the cause instead of waiting forever.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, NodeError, Pid, ThreadProcess, message
+from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
 from fedemu.worker import models, training
 from fedemu.worker.data import Dataset
 from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
@@ -66,7 +67,8 @@ class Settings:
     progress_timeout_s: float = 300.0  # the watchdog reports a run that long without aggregation
     workers: int = 1
     startup_timeout_s: float = 120.0
-    time_scale: float = 1.0  # emulated seconds per wall second
+    time_scale: float = 1.0  # emulated seconds per wall second (wall clock)
+    clock: str = "wall"  # or "virtual": the broker's discrete-event clock
     compression: dict | None = None  # updates travel encoded (CompressionSpec.to_dict())
     over_select: int = 0  # extra clients selected beyond m; the first m replies count
     on_quorum_missed: str = "skip"  # or "extend_once"
@@ -103,6 +105,7 @@ class Engine:
         self.live: set[int] = set()
         self.totals = _Totals()
         self._started = time.monotonic()
+        self._clock_started: float | None = None  # emulated time when the run's clock started
         self._traffic: dict | None = None
 
     # --- the server process ---------------------------------------------------------
@@ -111,7 +114,6 @@ class Engine:
         status, reason = "completed", ""
         try:
             self._await_workers(proc)
-            self._traffic = proc.node.broker_stats()
             status, reason = self.main(proc)
         except _Stopped as stop:
             status, reason = stop.status, stop.reason
@@ -140,6 +142,11 @@ class Engine:
             status=status,
             reason=reason,
             algorithm=self.algorithm,
+            clock=self.settings.clock,
+            emulated_s=round(proc.now() - self._clock_started, 6) if self._clock_started is not None else 0.0,
+            # The final model's fingerprint: in virtual time, the same config and seed give
+            # the same hash on any host, load or placement.
+            weights_sha256=hashlib.sha256(np.ascontiguousarray(self.weights, dtype=np.float32).tobytes()).hexdigest(),
             rounds=self.totals.rounds,
             uploads=self.totals.uploads,
             final_accuracy=self.totals.accuracy,
@@ -154,11 +161,15 @@ class Engine:
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         raise NotImplementedError
 
+    def waiting_for(self) -> str:
+        """What the server is waiting for, in words (for a deadlock's cause)."""
+        raise NotImplementedError
+
     def _await_workers(self, proc: ThreadProcess) -> None:
-        deadline = time.monotonic() + self.settings.startup_timeout_s
+        deadline = time.monotonic() + self.settings.startup_timeout_s  # real processes starting: wall time
         ready_nodes: dict[str, int] = {}
         while len(ready_nodes) < self.settings.workers:
-            msg = self._receive(proc, (WorkerReady,), deadline - time.monotonic())
+            msg = self._receive(proc, (WorkerReady,), wall_timeout=deadline - time.monotonic())
             if msg is TIMEOUT:
                 raise _Stopped("failed", (
                     f"only {len(ready_nodes)} of {self.settings.workers} worker nodes reported "
@@ -174,15 +185,28 @@ class Engine:
             raise _Stopped("failed", f"{len(missing)} clients were never hosted, e.g. {sorted(missing)[:5]}")
         self.live = set(self.pids)
         self._started = time.monotonic()
-        self.runlog.event("start", clients=len(self.pids), placement=ready_nodes, algorithm=self.algorithm,
+        proc.node.start_clock()  # emulated time runs from here (virtual time: it stood at 0 until now)
+        self._clock_started = proc.now()
+        self._traffic = proc.node.broker_stats()
+        self.runlog.event("start", emulated_s=self._traffic["emulated_s"], clients=len(self.pids), placement=dict(sorted(ready_nodes.items())), algorithm=self.algorithm,
                           per_round=self.settings.per_round, time_scale=self.settings.time_scale,
+                          clock=self.settings.clock,
                           dataset=self.dataset.name, test_samples=len(self.dataset.test_labels))
 
-    def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float):
-        """Receive one of ``kinds``; a Stop message ends the run from any wait."""
-        msg = proc.receive((*kinds, Stop), timeout=max(timeout, 0.0))
+    def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float | None = None,
+                 wall_timeout: float | None = None):
+        """Receive one of ``kinds`` within ``timeout`` emulated or ``wall_timeout`` real
+        seconds. A Stop message ends the run from any wait; in virtual time, so does the
+        broker's word that nothing can ever happen again (a deadlock, named)."""
+        msg = proc.receive((*kinds, Stop, Stalled), timeout=None if timeout is None else max(timeout, 0.0),
+                           wall_timeout=None if wall_timeout is None else max(wall_timeout, 0.0))
         if msg is not TIMEOUT and isinstance(msg.body, Stop):
             raise _Stopped(msg.body.status, msg.body.reason)
+        if msg is not TIMEOUT and isinstance(msg.body, Stalled):
+            cause = (f"the run is quiescent with nothing pending (no message in flight, no timer, no scheduled "
+                     f"change) while the server waits for {self.waiting_for()}")
+            self.runlog.event("deadlock", round=self.totals.rounds, cause=cause, emulated_s=msg.body.now)
+            raise _Stopped("failed", f"deadlock: {cause}")
         return msg
 
     def _client_down(self, proc: ThreadProcess, down: Down, round_: int) -> int | None:
@@ -273,6 +297,7 @@ class RoundEngine(Engine):
         s = self.settings
         rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
         for round_ in range(1, s.rounds + 1):
+            self._round = round_
             self._rejoin_waiting(proc, round_)
             if len(self.live) < s.quorum:
                 cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
@@ -280,7 +305,7 @@ class RoundEngine(Engine):
                 self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
                 return "failed", f"deadlock: {cause}"
             started = time.monotonic()
-            proc.node.announce_round(round_)
+            proc.node.announce_round(round_, by=proc.pid)
             candidates = sorted(self.live)
             if self.strategy.selects_all:
                 selected = candidates
@@ -328,17 +353,18 @@ class RoundEngine(Engine):
         asked = [k for k in book.selected if k in self.live]
         for k in asked:
             proc.send(self.pids[k], request)
-        period = s.deadline_s / s.time_scale if s.deadline_s else float("inf")
-        deadline = time.monotonic() + period
+        period = s.deadline_s if s.deadline_s else float("inf")  # emulated seconds
+        deadline = proc.now() + period
         extended = False
-        waiting = set(asked)
+        waiting = self._waiting = set(asked)
         replies: list[TrainReply] = []
-        watchdog = time.monotonic() + s.progress_timeout_s
+        watchdog = time.monotonic() + s.progress_timeout_s  # real time: a node stuck for real
         while waiting and not (book.target and len(replies) >= book.target):
-            wait = min(deadline, watchdog) - time.monotonic()
-            msg = self._receive(proc, (TrainReply, Down, WorkerReady), wait)
+            msg = self._receive(proc, (TrainReply, Down, WorkerReady),
+                                timeout=None if deadline == float("inf") else deadline - proc.now(),
+                                wall_timeout=watchdog - time.monotonic())
             if msg is TIMEOUT:
-                if time.monotonic() >= deadline:
+                if proc.now() >= deadline:
                     if len(replies) < s.quorum and self.on_quorum_missed == "extend_once" and not extended:
                         extended = True
                         deadline += period
@@ -378,6 +404,11 @@ class RoundEngine(Engine):
         book.final_replies = replies
         return replies if len(replies) >= s.quorum else None
 
+    def waiting_for(self) -> str:
+        waiting = sorted(getattr(self, "_waiting", ()))
+        return (f"replies of round {getattr(self, '_round', 0)} from clients {_ids(waiting)}" if waiting
+                else "nothing")
+
     def _decode(self, reply: TrainReply, round_: int) -> bool:
         """Turn an encoded delta into the client's weights (w_t + delta), in place.
         The mask, basis or rotation comes from the same (seed, round, client) seed."""
@@ -406,6 +437,10 @@ class _RoundBook:
 
 
 QUORUM_POLICIES = ("skip", "extend_once")
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids)) if len(ids) <= 12 else f"{', '.join(map(str, ids[:10]))}, ... ({len(ids)} in all)"
 
 
 def _broker_lost(proc) -> str | None:

@@ -296,7 +296,11 @@ class LossyLoop:
         if (copy := self.cross(body, pid.id)) is not None:
             self.to_clients.append((pid.id, Message(SERVER, copy)))
 
-    def receive(self, match, timeout):
+    def now(self) -> float:  # the engine's clock: wall time here (retry_s is a wall interval)
+        return time.monotonic()
+
+    def receive(self, match, timeout=None, wall_timeout=None):
+        timeout = min(t for t in (timeout, wall_timeout, 60.0) if t is not None)
         for _ in range(10_000):
             if self.to_server:
                 return self.to_server.popleft()

@@ -21,6 +21,7 @@ from .protocol import (
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
+from .devices import ComputeModel
 from .stragglers import StragglerSpec
 from .structured import compressed_client_update
 
@@ -73,7 +74,7 @@ class Client(Behaviour):
     local model w_k and age a_k between messages)."""
 
     def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache,
-                 stragglers: StragglerSpec = StragglerSpec(), time_scale: float = 1.0,
+                 stragglers: StragglerSpec = StragglerSpec(), compute: ComputeModel = ComputeModel(),
                  anchors: _ModelCache | None = None):
         self.client_id = client_id
         self.indices = indices
@@ -82,7 +83,7 @@ class Client(Behaviour):
         self._cache = cache
         self._anchors = anchors or _ModelCache()  # FSVRG holds w_t fixed beside the model it updates
         self.stragglers = stragglers
-        self.time_scale = time_scale
+        self.compute = compute  # what local work costs in emulated time (devices.py)
         self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
         self._async: AsyncStart | None = None
         self._server: Pid | None = None
@@ -105,7 +106,7 @@ class Client(Behaviour):
         self._trainings = 0  # local updates since the base (CO-OP: more than one when over-active)
         self._encoded: dict | None = None  # a structured training's exact encoding of the delta
         self._loss = 0.0
-        self._compute_s = 0.0  # the last local update's measured time
+        self._measured = (0.0, 0.0)  # the last local update's wall and CPU seconds
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         body = msg.body
@@ -193,7 +194,7 @@ class Client(Behaviour):
 
         try:
             with training.stop_when(unwanted):
-                reply = self._run_task(request)
+                reply, hold = self._run_task(request)
                 if went_offline():
                     raise training.TrainingStopped
         except training.TrainingStopped:
@@ -201,12 +202,13 @@ class Client(Behaviour):
             log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
                      "the round closed without it" if cancelled() else "it went offline")
             return
-        # A slower device: hold the reply for the extra compute time it would have taken.
-        held = proc.send_after(self._hold(reply.compute_s, reply.slowdown), sender, reply, unless_offline=True)
+        # The device's compute time (modelled, or what real time has not covered yet).
+        held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
-    def _run_task(self, request: TrainRequest) -> TrainReply:
-        started = time.perf_counter()
+    def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
+        """The local work a request asks for, and how long to hold its reply back."""
+        started, started_cpu = time.perf_counter(), time.thread_time()
         model = self._cache.get(self.model_name)
         models.set_flat(model, request.weights)
         images, labels = self._data()
@@ -236,19 +238,19 @@ class Client(Behaviour):
             update, loss = result.weights, result.train_loss
         else:
             raise ValueError(f"unknown task {request.task!r}")
-        compute_s = time.perf_counter() - started
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        return TrainReply(
+        examples = len(self.indices) * (request.epochs if request.task == TRAIN else 1)
+        compute_s, hold = self.compute.times(self.model_name, request.task, examples, slowdown,
+                                                     time.perf_counter() - started, time.thread_time() - started_cpu)
+        reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
             encoded=encoded,
         )
+        return reply, hold
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
         return self.dataset.train_images[self.indices], self.dataset.train_labels[self.indices]
-
-    def _hold(self, compute_s: float, slowdown: float) -> float:
-        return (slowdown - 1.0) * compute_s / self.time_scale
 
     # --- asynchronous rules ---------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class Client(Behaviour):
 
     def _arm(self, proc: BehaviourProcess, hold: float) -> None:
         if self._async.retry_s > 0:
-            wait = retry_wait(self._async.retry_s, self._resends) / self.time_scale
+            wait = retry_wait(self._async.retry_s, self._resends)
             self._retry_timer = proc.send_after(hold + wait, proc.pid, RetryDue(self._pending.request))
 
     def _retry(self, proc: BehaviourProcess, request: int) -> None:
@@ -328,20 +330,28 @@ class Client(Behaviour):
             return
         start = self._async
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
+        measured_s, cpu_s = self._measured
         if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
-            self._request(proc, AgeRequest(self.client_id, self._age), self._hold(self._compute_s, slowdown))
+            _, hold = self._times(slowdown, measured_s, cpu_s)
+            self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
         model = self._cache.get(self.model_name)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         upload = self._upload(model, 0.0, slowdown)
-        # Encoding is the client's work too.
-        upload.compute_s = compute_s = self._compute_s + time.perf_counter() - started
-        self._request(proc, upload, self._hold(compute_s, slowdown))
+        # Encoding is the client's work too (measured; the device model charges training).
+        upload.compute_s, hold = self._times(slowdown, measured_s + time.perf_counter() - started,
+                                             cpu_s + time.thread_time() - started_cpu)
+        self._request(proc, upload, hold)
+
+    def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
+        """An asynchronous local update's (compute seconds, hold): E epochs of n_k."""
+        return self.compute.times(self.model_name, TRAIN, self._async.epochs * len(self.indices), slowdown,
+                                  measured_s, cpu_s)
 
     def _local_update(self) -> None:
-        """One local update of w_k (E epochs from the current weights); sets _compute_s."""
+        """One local update of w_k (E epochs from the current weights); sets _measured."""
         start = self._async
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         model = self._cache.get(self.model_name)
         models.set_flat(model, self._weights)
         images, labels = self._data()
@@ -363,7 +373,7 @@ class Client(Behaviour):
             weights = result.weights
         self.iterations += result.steps
         self._weights, self._loss = weights, result.train_loss
-        self._compute_s = time.perf_counter() - started
+        self._measured = (time.perf_counter() - started, time.thread_time() - started_cpu)
 
     def _upload(self, model: torch.nn.Module, compute_s: float, slowdown: float = 1.0) -> Upload:
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
@@ -413,7 +423,7 @@ def host_clients(
     server: str = "server",
     startup_timeout: float = 120.0,
     stragglers: StragglerSpec = StragglerSpec(),
-    time_scale: float = 1.0,
+    compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
 ) -> None:
     """Spawn this node's clients, register their names, and report to the server.
@@ -421,10 +431,11 @@ def host_clients(
     times per client, and tells the server its new pid."""
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(dataset, shards[clients[0]], model_name))
+        compute.prepare(model_name)
     cache, anchors = _ModelCache(), _ModelCache()
 
     def start_client(k: int) -> Pid:
-        return node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, time_scale, anchors))
+        return node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, compute, anchors))
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)

@@ -1,0 +1,228 @@
+"""Virtual time: the broker's discrete-event clock over real processes.
+
+With ``run.clock = "virtual"`` emulated time is not the host's clock. The broker keeps
+the current instant and holds every message between processes until it is due; time
+moves only when the whole run is quiescent:
+
+* every node has reported that none of its processes is runnable or computing and that
+  nothing of it waits to go out (``idle``), with its earliest pending timer, and
+* no message is in flight: a node's report says how many work messages from the broker
+  it has taken in (``seen``), and the broker counts what it sent (as in distributed
+  termination detection), so a report older than the last delivery does not count.
+  Whatever a node sends reaches the broker before its later report (one FIFO socket).
+
+At quiescence the broker first takes what the processes sent during the instant, in a
+fixed order (sender, then the sender's sequence number), through the link model: a
+message gets its due time; a round announcement or a change of links takes effect in
+its place in that order. Then everything due now is delivered, in (due, sender,
+sequence) order; with nothing due now, the clock jumps to the earliest of a held
+message's due time, a node's timer, an availability change or a scripted event. Each
+node involved hears one ``advance`` (the new instant, the broker's notices for it, and
+how many deliveries follow), takes the deliveries, then fires its timers due by then.
+
+So the same config and seed give the same run whatever the host's speed or load: real
+processes, real sockets, the broker on the path of every message, but the order of
+events fixed by the model. Heartbeats and the loss of a node stay on wall time: a node
+declared lost leaves the quiescence set, so the clock never waits for it.
+
+With the run quiescent and nothing pending at all, no process can ever run again: the
+broker offers every node a ``stalled`` notice once, and a server waiting for replies
+reports the deadlock at once instead of after a watchdog.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .wire import Pid
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+
+@dataclass
+class _NodeView:
+    """What the broker knows of one node's state in virtual time."""
+
+    idle: bool = False  # its last word was an idle report (nothing since)
+    seen: int = 0  # work messages it had taken in at that report
+    sent: int = 0  # work messages the broker has sent it
+    next: float | None = None  # its earliest timer at that report
+
+    @property
+    def quiescent(self) -> bool:
+        return self.idle and self.seen == self.sent
+
+
+class VirtualScheduler:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.now = 0.0
+        self.started = False  # the clock stands at 0 while the run's processes start
+        self._views: dict[str, _NodeView] = {}
+        # What processes sent during this instant: (sender, its sequence, what, payload).
+        self._inputs: list[tuple[Pid, int, str, Any]] = []
+        self._sequence: dict[Pid, int] = {}
+        # Held until due: (due, sender, sequence, node, frames, link, direction).
+        self._held: list[tuple] = []
+        # Per (sender, receiver): the latest due time held, so no later message overtakes.
+        self._last_due: dict[tuple, float] = {}
+        self._prune_at = 1024
+        # Broker notices (availability, offline) for a node, delivered with its next advance.
+        self._notices: dict[str, list[dict]] = {}
+        self._stalled_told = False
+        self._announced = 0.0  # the latest instant every node has been told of
+        self.instants = 0  # instants the clock has stopped at (for the books)
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    def join(self, node: str) -> None:
+        self._views[node] = _NodeView()
+
+    def leave(self, node: str) -> None:
+        """A node left or was declared lost: the clock no longer waits for it, and what
+        was held for it is dropped (it could never be delivered)."""
+        self._views.pop(node, None)
+        self._notices.pop(node, None)
+        kept = [entry for entry in self._held if entry[3] != node]
+        if len(kept) != len(self._held):
+            heapq.heapify(kept)
+            self._held = kept
+
+    def heard(self, node: str) -> None:
+        """Anything but a heartbeat or an idle report: the node is busy until it reports."""
+        view = self._views.get(node)
+        if view is not None:
+            view.idle = False
+
+    def report(self, node: str, seen: Any, next_timer: Any) -> None:
+        view = self._views.get(node)
+        if view is None or type(seen) is not int or not (next_timer is None or type(next_timer) is float):
+            raise ValueError(f"bad idle report from {node!r}: seen={seen!r} next={next_timer!r}")
+        view.idle, view.seen, view.next = True, seen, next_timer
+
+    def counted(self, node: str) -> None:
+        """A work message went to ``node``: its next report must have seen it."""
+        view = self._views.get(node)
+        if view is not None:
+            view.sent += 1
+
+    # --- inputs of the current instant ---------------------------------------------------
+
+    def accept(self, sender: Pid, kind: str, payload: Any) -> None:
+        """Something a process sent during this instant; it takes effect at quiescence,
+        in (sender, sequence) order."""
+        sender = Pid(*sender)
+        sequence = self._sequence[sender] = self._sequence.get(sender, 0) + 1
+        self._inputs.append((sender, sequence, kind, payload))
+        self._stalled_told = False
+
+    def notify(self, node: str, body: dict) -> None:
+        """A broker notice (a device offline or back, ...) for ``node``, delivered with
+        its next advance, so it takes effect at a known instant."""
+        self._notices.setdefault(node, []).append(body)
+
+    def hold(self, due: float, sender: Pid, sequence: int, receiver: Any, node: str, frames: list,
+             link: int = -1, direction: int = -1) -> None:
+        key = (sender, receiver)
+        due = max(due, self.now, self._last_due.get(key, -math.inf))  # FIFO per pair of processes
+        self._last_due[key] = due
+        heapq.heappush(self._held, (due, sender, sequence, node, frames, link, direction))
+
+    def drop_held(self, gone: Callable[[int], bool], lost: Callable[[int, int], None]) -> None:
+        """Drop what is in flight on links now offline (``gone(link)``), each counted lost."""
+        kept = []
+        for entry in self._held:
+            if entry[5] >= 0 and entry[0] > self.now and gone(entry[5]):
+                lost(entry[5], entry[6])
+            else:
+                kept.append(entry)
+        if len(kept) != len(self._held):
+            heapq.heapify(kept)
+            self._held = kept
+
+    # --- moving time ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Called after every burst of input: if the run is quiescent, take this
+        instant's inputs, deliver what is due, or move the clock to the next event."""
+        while self._views and all(view.quiescent for view in self._views.values()):
+            if self._inputs:
+                inputs, self._inputs = self._inputs, []
+                inputs.sort(key=lambda item: (item[0], item[1]))
+                for sender, sequence, kind, payload in inputs:
+                    self.broker._virtual_input(sender, sequence, kind, payload)
+            if self._deliver():
+                return
+            if not self.started:
+                return
+            at = self._next_event()
+            if at == math.inf:
+                self._stall()
+                return
+            self.now = max(self.now, at)
+            self.instants += 1
+            self.broker._clock_moved()
+            if len(self._last_due) > self._prune_at:
+                self._last_due = {k: due for k, due in self._last_due.items() if due > self.now}
+                self._prune_at = max(1024, 4 * len(self._last_due))
+
+    def _next_event(self) -> float:
+        candidates = [self.broker._next_scheduled_change()]
+        if self._held:
+            candidates.append(self._held[0][0])
+        candidates += [view.next for view in self._views.values() if view.next is not None]
+        return min(candidates)
+
+    def _deliver(self) -> bool:
+        """Everything due by now, to each node involved: one advance (the instant, its
+        notices, the number of deliveries), then the deliveries in (due, sender,
+        sequence) order. False if nothing is due."""
+        batches: dict[str, list[list]] = {}
+        held = self._held
+        while held and held[0][0] <= self.now:
+            entry = heapq.heappop(held)
+            batches.setdefault(entry[3], []).append(entry[4])
+        involved = set(batches) | set(self._notices)
+        involved |= {name for name, view in self._views.items() if view.next is not None and view.next <= self.now}
+        if self.now > self._announced:
+            # Every node hears of a new instant, involved or not: whatever one of its
+            # processes starts (a wall-time event: a signal, a restart) starts from it.
+            involved |= set(self._views)
+            self._announced = self.now
+        involved &= set(self._views)
+        if not involved:
+            return False
+        for name in sorted(involved):
+            deliveries = batches.get(name, [])
+            notices = self._notices.pop(name, [])
+            self.broker._send_work_ctl(name, {"op": "advance", "now": float(self.now), "count": len(deliveries),
+                                              "notices": notices})
+            for frames in deliveries:
+                self.broker._send_work(name, frames)
+            self._views[name].idle = False
+        return True
+
+    def _stall(self) -> None:
+        """Quiescent with nothing pending: tell every node, once."""
+        if self._stalled_told:
+            return
+        self._stalled_told = True
+        for name in sorted(self._views):
+            self.broker._send_work_ctl(name, {"op": "stalled", "now": float(self.now)})
+            self._views[name].idle = False
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+
+def sender_of(header_src: Pid, body: Any) -> Pid:
+    """Who a relayed control message speaks for: a DOWN for the process that ended (so
+    it comes after that process's last messages), anything else for its node."""
+    down = body.get("down") if isinstance(body, dict) else None
+    pid = getattr(down, "pid", None)
+    return Pid(*pid) if isinstance(pid, tuple) and len(pid) == 2 else header_src
+

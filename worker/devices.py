@@ -1,0 +1,117 @@
+"""What a client's local work costs in emulated time: the device model.
+
+On the wall clock, local work takes the time it really takes on this host, and a
+straggler with factor f holds its reply back (f - 1) x that time. In virtual time
+nothing waits on the host: the work is charged instead.
+
+* ``compute = "model"`` (the default): the training FLOPs of the work (counted from the
+  model's architecture by ``torch.utils.flop_counter``: matrix multiplies and
+  convolutions, forward and backward, per example) times the examples processed,
+  divided by the device's speed (``run.device_flops``), times the client's straggler
+  factor. The same on any host: bit-reproducible.
+* ``compute = "measured"``: the training thread's CPU time, times the straggler factor:
+  the real code's cost, but it varies from run to run and host to host (so runs are
+  not bit-reproducible).
+
+While a client computes, its node is busy and the virtual clock waits; then the
+client's reply is held for the charged duration, as a slower device would hold it.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from . import models
+
+COMPUTE_CHARGES = ("model", "measured")
+
+# How many passes over its examples each task makes, in training FLOPs per example.
+# An SVRG step takes two gradients per example: at the current weights and at w_t.
+TASK_PASSES = {"train": 1.0, "gradient": 1.0, "svrg": 2.0}
+
+_FLOPS: dict[str, float] = {}
+_FLOPS_LOCK = threading.Lock()
+
+
+def training_flops_per_example(model_name: str) -> float:
+    """FLOPs of one example's forward and backward pass through ``model_name``, counted
+    once per process on a batch of 8 inputs, as ``torch.utils.flop_counter`` counts
+    them (matrix multiplies and convolutions)."""
+    with _FLOPS_LOCK:
+        if model_name not in _FLOPS:
+            model = models.build(model_name, seed=0)
+            inputs = torch.zeros(8, 1, 28, 28)
+            flops = layer_flops(model, inputs)
+            _FLOPS[model_name] = (flops if flops is not None else counted_flops(model, inputs)) / len(inputs)
+        return _FLOPS[model_name]
+
+
+def counted_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float:
+    """Forward and backward FLOPs of ``model`` on ``inputs`` by torch's own counter
+    (any architecture; its first use in a process costs about a second of imports)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        F.cross_entropy(model(inputs), torch.zeros(len(inputs), dtype=torch.long)).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+def layer_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float | None:
+    """The same count by hand, for models whose parameters are all in Linear and Conv2d
+    layers (None otherwise): each layer's forward multiply-adds x 2, the same again for
+    its weight gradient, and again for its input gradient except at the first layer
+    (the data needs none). Instant, where torch's counter costs a second to start."""
+    layers = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    if not all(isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for m in layers):
+        return None
+    forward: list[float] = []
+
+    def hook(module, args, output) -> None:
+        if isinstance(module, torch.nn.Linear):
+            forward.append(2.0 * output.numel() * module.in_features)
+        else:
+            k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels // module.groups
+            forward.append(2.0 * output.numel() * k)
+
+    handles = [m.register_forward_hook(hook) for m in layers]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return 3 * sum(forward) - (forward[0] if forward else 0.0)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """How a client's local work is charged: ``clock`` is the run's clock."""
+
+    clock: str = "wall"
+    charge: str = "model"
+    device_flops: float = 1e9
+
+    def prepare(self, model_name: str) -> None:
+        """Pay the FLOP count's one-time cost (about a second on first use) before the
+        run, not inside its first round."""
+        if self.clock == "virtual" and self.charge == "model":
+            training_flops_per_example(model_name)
+
+    def times(self, model_name: str, task: str, examples: int, slowdown: float, measured_s: float,
+              cpu_s: float) -> tuple[float, float]:
+        """(compute seconds the device spends, excluding its straggler factor; emulated
+        seconds to hold the reply back). ``examples``: examples processed (E x n_k)."""
+        if self.clock == "wall":
+            # Real time has passed already: a slower device adds the rest.
+            return measured_s, (slowdown - 1.0) * measured_s
+        if self.charge == "measured":
+            compute_s = cpu_s
+        else:
+            flops = training_flops_per_example(model_name) * TASK_PASSES[task] * examples
+            compute_s = flops / self.device_flops
+        return compute_s, slowdown * compute_s
