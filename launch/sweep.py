@@ -256,7 +256,7 @@ COLUMNS = {
     "reason": "TEXT", "started_at": "TEXT", "finished_at": "TEXT", "wall_s": "REAL", "rounds": "INTEGER",
     "uploads": "INTEGER", "final_accuracy": "REAL", "best_accuracy": "REAL", "bytes_up": "INTEGER",
     "bytes_down": "INTEGER", "emulated_s": "REAL", "target": "REAL", "tt_rounds": "REAL",
-    "tt_emulated_s": "REAL", "tt_mb_up": "REAL", "pids": "TEXT",
+    "tt_emulated_s": "REAL", "tt_mb_up": "REAL", "pids": "TEXT", "weights_sha256": "TEXT",
 }
 
 
@@ -274,6 +274,10 @@ class Index:
         self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
         cols = ", ".join(f'"{k}" {t}' for k, t in COLUMNS.items())
         self.db.execute(f"CREATE TABLE IF NOT EXISTS points ({cols})")
+        existing = {r[1] for r in self.db.execute("PRAGMA table_info(points)")}
+        for key, kind in COLUMNS.items():  # an index made by an earlier version gains the new columns
+            if key not in existing:
+                self.db.execute(f'ALTER TABLE points ADD COLUMN "{key}" {kind.replace("PRIMARY KEY", "")}')
         self.db.commit()
 
     def rows(self) -> dict[str, dict]:
@@ -347,6 +351,7 @@ def summary_fields(run_dir: Path, summary: dict, target: float) -> dict:
         "bytes_up": summary.get("bytes_up"), "bytes_down": summary.get("bytes_down"),
         "wall_s": summary.get("wall_s"), "emulated_s": float(c.emulated_s[-1]) if len(c) else None,
         "target": target or None, "tt_rounds": tt["rounds"], "tt_emulated_s": tt["emulated_s"], "tt_mb_up": tt["mb_up"],
+        "weights_sha256": summary.get("weights_sha256"),
     }
 
 

@@ -607,11 +607,8 @@ class Broker:
             if not isinstance(names, list):
                 raise WireError("unregister needs a list of names")
             pid = body.get("pid")
-            if self.scheduler is not None:  # after the process's last messages, in their order
-                self.scheduler.accept(pid if isinstance(pid, Pid) and pid.node == src.node else src, "unregister",
-                                      (src.node, names))
-            else:
-                self._unregister(src.node, names)
+            pid = pid if isinstance(pid, Pid) and pid.node == src.node else None
+            self._unregister(src.node, names, pid)
         elif op == "whereis":
             name = body.get("name")
             if not isinstance(name, str):
@@ -656,10 +653,17 @@ class Broker:
         else:
             raise WireError(f"unknown control op {op!r}")
 
-    def _unregister(self, node: str, names: list) -> None:
+    def _unregister(self, node: str, names: list, pid: Pid | None) -> None:
+        """Names of an ended process: only while they still name it. In virtual time its
+        link stays its own until the messages it sent before it ended are taken in."""
         for name in names:
-            if isinstance(name, str) and self._names.get(name, (None,))[0] == node:
-                self._disown(self._names.pop(name))
+            holder = self._names.get(name)
+            if isinstance(name, str) and holder is not None and holder[0] == node and (pid is None or holder == pid):
+                self._names.pop(name)
+                if self.scheduler is not None:
+                    self.scheduler.accept(holder, "disown", holder)
+                else:
+                    self._disown(holder)
 
     def _register(self, identity: bytes, src: Pid, entries: Any) -> None:
         if not isinstance(entries, list):
@@ -866,8 +870,8 @@ class Broker:
             self._apply_round(payload)
         elif kind == "set_links":
             self._apply_set_links(payload)
-        elif kind == "unregister":
-            self._unregister(*payload)
+        elif kind == "disown":
+            self._disown(payload)
 
     def _transmit_virtual(self, src: Pid, sequence: int, fields: list, frames: list, size: int) -> None:
         """A message sent at the current instant: through its link's model (if it

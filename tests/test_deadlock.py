@@ -74,8 +74,10 @@ def test_recovery_instead_of_stopping(tmp_path):
 def test_watchdog_reports_a_round_waiting_without_a_deadline(tmp_path):
     run_dir = tmp_path / "run"
     progress_timeout_s = 10  # wall seconds: far beyond how long an answering client takes, even on a loaded host
-    proc = launch(run_dir, "run.rounds=3", "algorithm.deadline_s=0", f"run.progress_timeout_s={progress_timeout_s}",
-                  "run.heartbeat_timeout_s=60")
+    # Wall clock: in virtual time every reply of a round waits for the stopped node's
+    # instant, so the stall would name every client still to answer, not only its own.
+    proc = launch(run_dir, "run.clock=wall", "run.rounds=3", "algorithm.deadline_s=0",
+                  f"run.progress_timeout_s={progress_timeout_s}", "run.heartbeat_timeout_s=60")
     wait_for_round(run_dir, 1, proc)
     worker = node_pid(run_dir, "worker-1")
     os.kill(worker, signal.SIGSTOP)

@@ -147,7 +147,10 @@ def test_a_silent_worker_makes_stragglers_not_a_hang(tmp_path):
     """A stopped (not dead) node answers nothing: rounds close at their deadline."""
     run_dir = tmp_path / "run"
     deadline_s = 8.0  # what worker-0's clients must beat, in wall time: ample on a loaded host
-    proc = launch(run_dir, "run.rounds=4", "run.heartbeat_timeout_s=60", f"algorithm.deadline_s={deadline_s}")
+    # Wall clock: in virtual time a stopped node holds the clock (it never reports idle)
+    # until it is declared lost, so its clients are faults there, not stragglers.
+    proc = launch(run_dir, "run.clock=wall", "run.rounds=4", "run.heartbeat_timeout_s=60",
+                  f"algorithm.deadline_s={deadline_s}")
     wait_for_round(run_dir, 1, proc)
     worker = node_pid(run_dir, "worker-1")
     os.kill(worker, signal.SIGSTOP)

@@ -73,12 +73,15 @@ def test_a_hosts_nodes_split_that_hosts_cores_among_themselves():
     from fedemu.launch import config as configuration
     from fedemu.launch.agent import host_config
 
-    config = configuration.load(None)
+    config = configuration.load(None, ["run.clock=wall"])
     config["run"]["workers"] = 64  # the run's total, over every host
     threads = tomllib.loads(host_config(configuration.to_toml(config), 1))["run"]["torch_threads"]
     assert threads == os.cpu_count()  # this host's cores for its one node, not cores / 64
     config["run"]["torch_threads"] = 3  # an explicit choice stands
     assert tomllib.loads(host_config(configuration.to_toml(config), 2))["run"]["torch_threads"] == 3
+    # Virtual time: left to the node, which pins one thread whatever the host's cores.
+    virtual = configuration.load(None, ["run.clock=virtual"])
+    assert tomllib.loads(host_config(configuration.to_toml(virtual), 1))["run"]["torch_threads"] == 0
 
 
 def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_path):
@@ -155,16 +158,18 @@ def test_clients_spread_over_hosts_train_like_a_local_run(hosts, tmp_path):
     assert_hosts_left_clean(hosts)
     assert not local_processes_of(tmp_path / "spread")
 
-    # The same config and seed on this machine alone gives the same model.
+    # The same config and seed on this machine alone gives the same model, bit for bit
+    # (virtual time, the default: nothing depends on where or how fast a client ran).
     local = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "local"),
                             "--workers", "2", "--set", "run.target_accuracy=0", "--set", "run.torch_threads=1",
                             "--set", "run.rounds=3"], capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stdout + local.stderr
 
     def accuracies(run_dir: Path) -> list[float]:
-        return [e["accuracy"] for e in read_events(run_dir) if e["event"] == "round"]
+        return [(e["accuracy"], e["emulated_s"]) for e in read_events(run_dir) if e["event"] == "round"]
 
     assert accuracies(tmp_path / "spread") == accuracies(tmp_path / "local")
+    assert summary["weights_sha256"] == json.loads((tmp_path / "local" / "summary.json").read_text())["weights_sha256"]
 
 
 @needs_hosts

@@ -451,11 +451,11 @@ def test_a_client_whose_reply_was_lost_offline_resends_its_request_when_back(pro
 # --- end to end ------------------------------------------------------------------------------
 
 TINY = ["model.name=2nn", "data.clients=4", "algorithm.E=1", "algorithm.B=10", "algorithm.eval_every_uploads=4",
-        "run.rounds=1000", "run.max_uploads_per_client=5", "run.time_scale=10", "algorithm.retry_s=2",
+        "run.rounds=1000", "run.max_uploads_per_client=5", "algorithm.retry_s=2",
         "run.progress_timeout_s=20"]  # a run that hangs shows its stall events
-# Every client is offline a third of the time, for 0.5 s (wall) on average; whether a
-# switch lands inside a training or a wait for a reply depends on the host's speed (the
-# tests above arrange both on purpose). Client 3 is gone from the start, so the network
+# Every client is offline a third of the time, for 5 emulated seconds on average; where a
+# switch lands is the seed's business in virtual time (the tests above arrange both
+# cases on purpose). Client 3 is gone from the start, so the network
 # bites on every host: its AsyncStart is lost, and the server keeps resending it.
 COOP_ON_OFF = ["algorithm.name=coop", "algorithm.b_l=1", "algorithm.b_u=3",
                "network.dropout.on_off.mean_up_s=10", "network.dropout.on_off.mean_down_s=5",

@@ -399,3 +399,23 @@ def test_a_real_sweep_killed_half_way_resumes_without_redoing_finished_points(tm
     assert (out / "runs" / "E=1" / "events.jsonl").read_text() == first_events  # not redone
     assert len([json.loads(x) for x in (out / "runs" / "E=2" / "events.jsonl").read_text().splitlines()
                 if '"round"' in x]) == 2
+
+
+@pytest.mark.slow
+def test_in_virtual_time_a_sweep_gives_the_same_table_one_point_at_a_time_or_two(tmp_path):
+    """Points side by side share the cores; on the virtual clock that changes nothing:
+    --parallel 1 and --parallel 2 give the same figures and the same final weights."""
+    spec = tiny_sweep(tmp_path)
+    tables = []
+    for parallel in (1, 2):
+        out = tmp_path / f"p{parallel}"
+        done = subprocess.run([sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out),
+                               "--parallel", str(parallel)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        figures = ("status", "rounds", "uploads", "final_accuracy", "best_accuracy", "bytes_up", "bytes_down",
+                   "emulated_s", "weights_sha256")
+        tables.append({pid: {k: row[k] for k in figures} for pid, row in rows(out).items()})
+    assert tables[0] == tables[1]
+    assert {row["status"] for row in tables[0].values()} == {"completed"}
+    hashes = {row["weights_sha256"] for row in tables[0].values()}
+    assert len(hashes) == 2 and None not in hashes  # E = 1 and E = 2 train differently
