@@ -256,11 +256,14 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "round":
         acc = "   -  " if event.get("accuracy") is None else f"{event['accuracy']:.4f}"
         loss = "  -   " if event.get("loss") is None else f"{event['loss']:.4f}"
+        emulated = event.get("emulated_s")
         return (f"round {event['round']:4d}/{rounds}  acc {acc}  loss {loss}  "
                 f"clients {event['participants']:3d}  up {event['bytes_up'] / 1e6:7.2f} MB  "
-                f"elapsed {event['t']:7.1f}s")
+                + (f"emulated {emulated:8.1f}s  " if emulated is not None else "")
+                + f"wall {event['t']:6.1f}s")
     if kind == "start":
-        return f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), {event['per_round']} per round"
+        return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), "
+                f"{event['per_round']} per round, {event.get('clock', 'wall')} clock")
     if kind == "fault":
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":

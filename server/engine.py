@@ -297,7 +297,6 @@ class RoundEngine(Engine):
         s = self.settings
         rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
         for round_ in range(1, s.rounds + 1):
-            self._round = round_
             self._rejoin_waiting(proc, round_)
             if len(self.live) < s.quorum:
                 cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
@@ -356,7 +355,8 @@ class RoundEngine(Engine):
         period = s.deadline_s if s.deadline_s else float("inf")  # emulated seconds
         deadline = proc.now() + period
         extended = False
-        waiting = self._waiting = set(asked)
+        waiting = self._waiting = set(asked)  # (and the round: what a deadlock names)
+        self._round = round_
         replies: list[TrainReply] = []
         watchdog = time.monotonic() + s.progress_timeout_s  # real time: a node stuck for real
         while waiting and not (book.target and len(replies) >= book.target):

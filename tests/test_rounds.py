@@ -159,6 +159,23 @@ def test_quorum_met_in_time_records_nothing(tmp_path):
     assert len(replies) == 3 and book.quorum_missed is None and book.discarded == set()
 
 
+def test_the_brokers_word_that_nothing_can_happen_is_a_deadlock_naming_who_is_waited_for(tmp_path):
+    """Virtual time: the run is quiescent with nothing pending while replies are
+    awaited. The server stops at once with a deadlock event, not after a watchdog."""
+    from fedemu.node import BROKER_NODE, Stalled
+    from fedemu.server.engine import _Stopped
+    from fedemu.server.runlog import read_events
+
+    eng = engine(tmp_path, C=0.6, deadline_s=0, progress_timeout_s=3600)
+    proc = ScriptedProc(reply(1), Message(Pid(BROKER_NODE, 0), Stalled(42.0)))
+    with pytest.raises(_Stopped) as stopped:
+        run_phase(eng, proc, [0, 1, 4])
+    assert stopped.value.status == "failed" and stopped.value.reason.startswith("deadlock: ")
+    [event] = [e for e in read_events(tmp_path) if e["event"] == "deadlock"]
+    assert event["emulated_s"] == 42.0
+    assert "replies of round 1 from clients 0, 4" in event["cause"] and "nothing pending" in event["cause"]
+
+
 def test_engine_refuses_what_config_validation_would(tmp_path):
     with pytest.raises(ValueError, match="on_quorum_missed = 'wait'"):
         engine(tmp_path, on_quorum_missed="wait")
