@@ -82,16 +82,20 @@ def one_point(workdir: Path, latency_ms: float, bandwidth, size: int, concurrenc
         for seq in range(count if concurrency == 1 else 1):
             if seq:
                 proc.receive(str)
-            sent.append((proc.now(), proc.pid, link, seq))
+            instant = proc.now()
             proc.send(rx_pid, {"link": link, "seq": seq, "data": data})
+            sent.append((instant, proc.pid, link, seq))  # after the send: the main thread waits for it
 
     rx.spawn(receiver, name="bench/rx")
     for link in range(concurrency):
         tx.spawn(sender, link, name=f"client/{link}", link=link)
-    # Every sender's first message is out (processes spawned from here start at wall
-    # times): only now may emulated time begin.
+    # Processes spawned from here start at wall times: emulated time may begin only once
+    # every sender's first message is at the broker (a round trip on the sending node's
+    # socket comes back after what it sent before: FIFO), as a run starts its clock only
+    # when every worker node has reported through its own socket.
     while len(sent) < concurrency:
         time.sleep(0.01)
+    tx.whereis("bench/rx")
     rx.spawn(lambda proc: proc.node.start_clock())
     done.wait(600)
     rx.close()

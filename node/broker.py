@@ -186,6 +186,7 @@ class Broker:
         self._device_check_at: dict[int, float] = {}
         # Virtual time: the broker owns the clock and holds every message until due.
         self.scheduler = VirtualScheduler(self) if clock == "virtual" else None
+        self._wake_deadline = math.inf  # the scheduler's next look, in wall time
         if self.scheduler is not None:
             self.time_scale = 1.0  # nothing waits on the wall clock
 
@@ -218,7 +219,8 @@ class Broker:
         log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._zap else "")
         try:
             while self._running:
-                wake = next_check
+                wake = min(next_check, self._wake_deadline)
+                self._wake_deadline = math.inf
                 wall_devices = self._device_checks and self.scheduler is None
                 if wall_devices:
                     wake = min(wake, self._t0 + self._device_checks[0][0] / self.time_scale)
@@ -593,6 +595,8 @@ class Broker:
             if self.scheduler is None:
                 raise WireError("idle reports are for virtual time; this broker runs on wall time")
             self.scheduler.report(src.node, body.get("seen"), body.get("next"))
+        elif op == "busy":
+            pass  # a node busy with work the broker did not hand it (heard() above took note)
         elif op == "clock_start":
             if self.scheduler is not None and not self.scheduler.started:
                 self.scheduler.started = True
@@ -913,6 +917,10 @@ class Broker:
         events due by now take effect."""
         self._due_device_checks()
         self._scripted_events(round_=None)
+
+    def _wake_at(self, wall: float) -> None:
+        """Have the serve loop look again (step the scheduler) by ``wall`` (monotonic)."""
+        self._wake_deadline = min(self._wake_deadline, wall)
 
     def _next_scheduled_change(self) -> float:
         """When the network next changes by itself (availability, a scripted event)."""

@@ -740,6 +740,11 @@ class Node:
         if self.clock.virtual:
             with self._busy_lock:
                 self._busy += 1
+                woke = self._busy == 1
+            if woke and threading.current_thread() is not self._io_thread:
+                # Work the broker did not hand us (a spawn from outside any process, a
+                # wall-time timeout): tell it, or it could take us for idle a while longer.
+                self._send_ctl(BROKER_PID, {"op": "busy"})
 
     def _busy_down(self) -> None:
         if self.clock.virtual:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -40,6 +41,10 @@ from .wire import Pid
 
 if TYPE_CHECKING:
     from .broker import Broker
+
+# How long (wall seconds) the run must stay quiescent with nothing pending before it is
+# told it is stalled: a process started from outside the run may be on its way to say so.
+STALL_GRACE_S = 0.3
 
 
 @dataclass
@@ -73,6 +78,7 @@ class VirtualScheduler:
         # Broker notices (availability, offline) for a node, delivered with its next advance.
         self._notices: dict[str, list[dict]] = {}
         self._stalled_told = False
+        self._stall_seen: float | None = None  # when the run was first seen stuck (wall clock)
         self._announced = 0.0  # the latest instant every node has been told of
         self.instants = 0  # instants the clock has stopped at (for the books)
 
@@ -96,6 +102,7 @@ class VirtualScheduler:
         view = self._views.get(node)
         if view is not None:
             view.idle = False
+        self._stall_seen = None
 
     def report(self, node: str, seen: Any, next_timer: Any) -> None:
         view = self._views.get(node)
@@ -195,6 +202,7 @@ class VirtualScheduler:
         involved &= set(self._views)
         if not involved:
             return False
+        self._stall_seen = None
         for name in sorted(involved):
             deliveries = batches.get(name, [])
             notices = self._notices.pop(name, [])
@@ -206,8 +214,16 @@ class VirtualScheduler:
         return True
 
     def _stall(self) -> None:
-        """Quiescent with nothing pending: tell every node, once."""
+        """Quiescent with nothing pending: tell every node, once. Only after the state
+        has held for STALL_GRACE_S of wall time: a process started from outside the run
+        (a wall-time event) may be on its way to saying so."""
         if self._stalled_told:
+            return
+        now = time.monotonic()
+        if self._stall_seen is None:
+            self._stall_seen = now
+        if now - self._stall_seen < STALL_GRACE_S:
+            self.broker._wake_at(self._stall_seen + STALL_GRACE_S)
             return
         self._stalled_told = True
         for name in sorted(self._views):
