@@ -364,6 +364,18 @@ class Broker:
         if self.scheduler is not None:  # takes effect at quiescence, in its place
             self.scheduler.accept(src, "user", (fields, frames, size))
             return
+        destination = self._destination(fields)
+        if destination is None:
+            return
+        dst_pid, target = destination
+        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
+        if crossing is not None and self._emulating:
+            self._emulate(crossing, size, target, fields, frames)
+            return
+        self._send(target.identity, frames, target.name)
+
+    def _destination(self, fields: list) -> tuple[Pid, _NodeInfo] | None:
+        """A user message's receiver and its node, or None (dropped, with the reason)."""
         dst_node, dst = fields[4], fields[5]
         if dst_node:
             dst_pid = Pid(dst_node, dst)
@@ -371,16 +383,12 @@ class Broker:
             dst_pid = self._names.get(dst)
             if dst_pid is None:
                 self._drop("unknown-destination", f"no process registered as {dst!r}")
-                return
+                return None
         target = self._nodes.get(dst_pid.node)
         if target is None:
             self._drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
-            return
-        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
-        if crossing is not None and self._emulating:
-            self._emulate(crossing, size, target, fields, frames)
-            return
-        self._send(target.identity, frames, target.name)
+            return None
+        return dst_pid, target
 
     def _route_ctl(self, header: wire.Header, msg: list) -> None:
         """Runtime control between nodes (monitor, demonitor, down): relayed as is (in
@@ -461,10 +469,22 @@ class Broker:
         # so the bytes' trip here is part of the emulated delay, not added to it.
         sent = fields[6] if len(fields) == 7 else None
         entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
-        verdict = self.network.transmit(link, direction, size, (entry - self._t0) * self.time_scale)
+        arrival = self._arrival(link, direction, size, (entry - self._t0) * self.time_scale)
+        if arrival is None:
+            return
+        due = self._t0 + arrival / self.time_scale
+        if due > self._flight_until.get(link, 0.0):
+            self._flight_until[link] = due
+        header = msgpack.packb([*fields[:6], [due - now, now, link, direction]])
+        self._send(target.identity, [header, *frames[1:]], target.name)
+
+    def _arrival(self, link: int, direction: int, size: int, entry: float) -> float | None:
+        """When a message entering ``link`` at emulated time ``entry`` arrives, by the
+        link model, or None if it is lost (counted)."""
+        verdict = self.network.transmit(link, direction, size, entry)
         if verdict.dropped is not None:
             self._lost(link, direction, verdict.dropped)
-            return
+            return None
         c = self._counters(link)
         if direction == UP:
             c.up_transfer_s += verdict.transfer_s
@@ -474,12 +494,8 @@ class Broker:
         # changes made later (set_links, a new round) reach held messages by notice.
         if self.network.is_offline(link, verdict.arrival):
             self._lost(link, direction, "offline")
-            return
-        due = self._t0 + verdict.arrival / self.time_scale
-        if due > self._flight_until.get(link, 0.0):
-            self._flight_until[link] = due
-        header = msgpack.packb([*fields[:6], [due - now, now, link, direction]])
-        self._send(target.identity, [header, *frames[1:]], target.name)
+            return None
+        return verdict.arrival
 
     def _notify_offline(self) -> None:
         """After a change that can take clients offline: every node drops what it holds
@@ -880,37 +896,19 @@ class Broker:
     def _transmit_virtual(self, src: Pid, sequence: int, fields: list, frames: list, size: int) -> None:
         """A message sent at the current instant: through its link's model (if it
         crosses one) to its due time, then held until then."""
-        dst_node, dst = fields[4], fields[5]
-        if dst_node:
-            dst_pid = Pid(dst_node, dst)
-        else:
-            dst_pid = self._names.get(dst)
-            if dst_pid is None:
-                self._drop("unknown-destination", f"no process registered as {dst!r}")
-                return
-        target = self._nodes.get(dst_pid.node)
-        if target is None:
-            self._drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
+        destination = self._destination(fields)
+        if destination is None:
             return
+        dst_pid, target = destination
         now = self.scheduler.now
         crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
         if crossing is None or not self._emulating:
             self.scheduler.hold(now, src, sequence, dst_pid, target.name, frames)
             return
         link, direction = crossing
-        verdict = self.network.transmit(link, direction, size, now)
-        if verdict.dropped is not None:
-            self._lost(link, direction, verdict.dropped)
-            return
-        c = self._counters(link)
-        if direction == UP:
-            c.up_transfer_s += verdict.transfer_s
-        else:
-            c.down_transfer_s += verdict.transfer_s
-        if self.network.is_offline(link, verdict.arrival):
-            self._lost(link, direction, "offline")
-            return
-        self.scheduler.hold(verdict.arrival, src, sequence, dst_pid, target.name, frames, link, direction)
+        arrival = self._arrival(link, direction, size, now)
+        if arrival is not None:
+            self.scheduler.hold(arrival, src, sequence, dst_pid, target.name, frames, link, direction)
 
     def _clock_moved(self) -> None:
         """The virtual clock moved on: time-based availability changes and scripted

@@ -536,7 +536,8 @@ class Node:
             self._io_thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._timers.close()
-        self.clock.close() if self.clock.virtual else None
+        if self.clock.virtual:
+            self.clock.close()
         for callback in self.on_close:
             callback(reason)
 
@@ -1169,7 +1170,8 @@ class Node:
             if not count:
                 self._fire_timers()
         elif op == "stalled":
-            self.clock.advance(float(body.get("now", 0.0))) if self.clock.virtual else None
+            if self.clock.virtual:
+                self.clock.advance(float(body.get("now", 0.0)))
             for proc in self.processes():
                 if isinstance(proc, ThreadProcess):
                     proc._offer(Message(BROKER_PID, Stalled(float(body.get("now", 0.0)))))
