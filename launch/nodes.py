@@ -156,7 +156,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _: stop("interrupted", stop_reason(signum)))
-    node.on_close.append(lambda reason: stop("failed", f"server node closed: {reason}"))
+    node.on_close.append(lambda reason: stop("failed", f"lost the broker: {node.broker_lost}" if node.broker_lost
+                                             else f"server node closed: {reason}"))
     while not result:  # the engine writes its summary even when the node closed
         time.sleep(0.1)
     runlog.close()

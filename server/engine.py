@@ -121,15 +121,7 @@ class Engine:
             log.error("%s; ending the run", exc)
             status, reason = "failed", str(exc)
         except Exception as exc:
-            if isinstance(exc, NodeError) and _broker_lost(proc) is None:
-                # A call to the broker timed out: if the broker is gone, the node's
-                # heartbeats say so within their timeout. That is the reason to report.
-                proc.node.closed.wait(proc.node.heartbeat_timeout + 1.0)
-            if _broker_lost(proc) is not None:  # the cause, not what it broke (a stats call)
-                status, reason = "failed", f"lost the broker: {_broker_lost(proc)}"
-            else:
-                log.exception("server failed")
-                status, reason = "failed", f"{type(exc).__name__}: {exc}"
+            status, reason = self._failure(proc, exc)
         if self.runlog.failed is None:
             try:
                 self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
@@ -157,6 +149,21 @@ class Engine:
             bytes_down=self.totals.bytes_down,
             faults=len(self.totals.faults),
         )
+
+    def _failure(self, proc: ThreadProcess, exc: Exception) -> tuple[str, str]:
+        """Why the run ends with ``exc``: a stop asked for meanwhile (the launcher died,
+        and the broker with it), a lost broker (what a call to it that timed out means),
+        or the error itself."""
+        if isinstance(exc, NodeError) and _broker_lost(proc) is None:
+            # If the broker is gone, the node's heartbeats say so within their timeout.
+            proc.node.closed.wait(proc.node.heartbeat_timeout + 1.0)
+        stop = _pending_stop(proc)
+        if stop is not None:
+            return stop.status, stop.reason
+        if _broker_lost(proc) is not None:  # the cause, not what it broke (a stats call)
+            return "failed", f"lost the broker: {_broker_lost(proc)}"
+        log.exception("server failed")
+        return "failed", f"{type(exc).__name__}: {exc}"
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         raise NotImplementedError
@@ -211,7 +218,12 @@ class Engine:
 
     def _client_down(self, proc: ThreadProcess, down: Down, round_: int) -> int | None:
         if _broker_lost(proc) is not None:
-            # Every remote process looks DOWN when the broker is gone: the run is lost, not its clients.
+            # Every remote process looks DOWN when the broker is gone: the run is lost, not
+            # its clients. A stop asked for first (the launcher died, and the broker with it)
+            # is the cause.
+            stop = _pending_stop(proc)
+            if stop is not None:
+                raise _Stopped(stop.status, stop.reason)
             raise _Stopped("failed", f"lost the broker: {_broker_lost(proc)}")
         k = self.client_of.get(down.pid)
         if k is None or k not in self.live or self.pids[k] != down.pid:  # not the client's current pid
@@ -441,6 +453,14 @@ QUORUM_POLICIES = ("skip", "extend_once")
 
 def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids)) if len(ids) <= 12 else f"{', '.join(map(str, ids[:10]))}, ... ({len(ids)} in all)"
+
+
+def _pending_stop(proc) -> Stop | None:
+    """A Stop waiting in the server's mailbox, taken (None if none, or a stand-in process)."""
+    if not isinstance(proc, ThreadProcess):
+        return None
+    msg = proc.receive(Stop, timeout=0)
+    return msg.body if msg is not TIMEOUT else None
 
 
 def _broker_lost(proc) -> str | None:
