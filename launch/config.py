@@ -85,9 +85,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "model": {
         "name": Key(str, "model", choices=("2nn", "cnn")),
+        "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults, or every weight "
+                    "and bias from N(0, init_std^2) (Nilsson et al.)", choices=("torch", "normal")),
+        "init_std": Key(float, "standard deviation of init = 'normal'", check=_positive, rule="> 0"),
     },
     "algorithm": {
-        "name": Key(str, "federated algorithm", choices=("fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff")),
+        "name": Key(str, "federated algorithm", choices=("fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff",
+                                                                "centralised")),
         "C": Key(float, "fraction of clients selected per round", check=_fraction, rule="in (0, 1]"),
         "E": Key(int, "local epochs", check=_positive, rule="> 0"),
         "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=_non_negative, rule=">= 0"),
@@ -103,6 +107,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=_positive, rule="> 0"),
         "b_l": Key(int, "CO-OP age filter lower bound", check=_non_negative, rule=">= 0"),
         "b_u": Key(int, "CO-OP age filter upper bound", check=_non_negative, rule=">= 0"),
+        "over_active": Key(str, "CO-OP: what a client does when a - a_k < b_l: 'retrain' discards the model "
+                           "it trained and trains again from the last model the server sent (Nilsson et "
+                           "al.'s code); 'continue' keeps training from the trained model",
+                           choices=("retrain", "continue")),
         "accept_deadlock_risk": Key(bool, "run CO-OP even where Theorem A.1 says it can deadlock"),
         "on_deadlock": Key(str, "what CO-OP does in a detected deadlock", choices=("stop", "recover")),
         "alpha": Key(float, "FedAsync mixing weight", check=_fraction, rule="in (0, 1]"),
@@ -130,6 +138,7 @@ COMPRESSIBLE = ("fedavg", "fedbuff", "fedasync", "coop")
 UNCOMPRESSIBLE = {
     "fedsgd": "gradients (one full-batch gradient per round)",
     "fsvrg": "a full gradient and then an SVRG-trained model per round",
+    "centralised": "one model trained on all the data (the baseline without federation)",
 }
 
 
@@ -231,6 +240,12 @@ def validate(config: dict) -> None:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
+    if config["algorithm"]["name"] == "centralised" and (config["data"]["clients"] != 1
+                                                          or config["data"]["partition"] != "iid"):
+        raise ConfigError(
+            f"algorithm.name = 'centralised' trains one model on all the training data: it needs data.clients = 1 "
+            f"and data.partition = 'iid' (got {config['data']['clients']} clients, partition "
+            f"{config['data']['partition']!r}); examples/centralised-nilsson.toml sets both")
     compression = compression_spec(config)
     if compression.structured != "none" or compression.sketched:
         name = config["algorithm"]["name"]

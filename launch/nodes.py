@@ -126,6 +126,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
         on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
+        model_init=config["model"]["init"], model_init_std=config["model"]["init_std"],
     )
     runlog = RunLog(run_dir)
     model_name = config["model"]["name"]

@@ -28,7 +28,7 @@ X_AXES = (
 # Axes whose values are repetitions, not conditions: averaged over in sweep figures.
 REPEAT_KEYS = ("run.seed", "data.fold")
 ALGORITHM_KEY = "algorithm.name"
-ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedsgd": "FedSGD", "fsvrg": "FSVRG", "coop": "CO-OP",
+ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedsgd": "FedSGD", "fsvrg": "FSVRG", "coop": "CO-OP", "centralised": "Centr.",
                    "fedasync": "FedAsync", "fedbuff": "FedBuff"}
 
 

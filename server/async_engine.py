@@ -63,8 +63,9 @@ class Coop(AsyncRule):
 
     name = "coop"
 
-    def __init__(self, b_l: int, b_u: int) -> None:
+    def __init__(self, b_l: int, b_u: int, over_active: str = "retrain") -> None:
         self.b_l, self.b_u = b_l, b_u
+        self.over_active = over_active  # what an over-active client does: protocol.OVER_ACTIVE
 
     def server_age_start(self) -> int:
         return self.b_l
@@ -161,7 +162,8 @@ class AsyncEngine(Engine):
     def _start_client(self, proc: ThreadProcess, k: int) -> None:
         """Start client k's asynchronous loop from the current global model."""
         s = self.settings
-        b_l, b_u = (self.rule.b_l, self.rule.b_u) if isinstance(self.rule, Coop) else (0, 0)
+        coop = isinstance(self.rule, Coop)
+        b_l, b_u = (self.rule.b_l, self.rule.b_u) if coop else (0, 0)
         self.ages[k] = self.rule.client_age_start
         self.doing[k] = "training"
         self.sent.pop(k, None)  # a restarted client is a new process: models and requests count anew
@@ -170,7 +172,8 @@ class AsyncEngine(Engine):
         start = AsyncStart(
             rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
-            compression=s.compression if self.codec else None, retry_s=s.retry_s)
+            over_active=self.rule.over_active if coop else "", compression=s.compression if self.codec else None,
+            retry_s=s.retry_s)
         self._send_model(proc, k, self.pids[k], start)
         self.unheard[k] = (start, proc.now() + s.retry_s, 0)
 
@@ -371,7 +374,7 @@ class AsyncEngine(Engine):
 def make_rule(algorithm: dict) -> AsyncRule:
     name = algorithm["name"]
     if name == "coop":
-        return Coop(algorithm["b_l"], algorithm["b_u"])
+        return Coop(algorithm["b_l"], algorithm["b_u"], algorithm["over_active"])
     if name == "fedasync":
         return FedAsync(algorithm["alpha"], algorithm["staleness"], algorithm["staleness_a"], algorithm["staleness_b"])
     if name == "fedbuff":

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from .strategies import selected_per_round
 
 
+ROUND_BASED = ("fedavg", "fedsgd", "fsvrg", "centralised")
+
+
 @dataclass(frozen=True)
 class Finding:
     rule: str
@@ -38,9 +41,9 @@ def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: 
                 f"deadlock (Nilsson et al. 2018, Theorem A.1): after b_u - b_l + 1 uploads by distinct clients, "
                 f"every client can be over-active. Use b_u >= 2*b_l, or set algorithm.accept_deadlock_risk = true",
                 True, waivable_by="algorithm.accept_deadlock_risk"))
-    if name in ("fedavg", "fedsgd", "fsvrg"):
-        if name == "fsvrg":
-            m, how = K, "every client, as FSVRG selects"
+    if name in ROUND_BASED:
+        if name in ("fsvrg", "centralised"):
+            m, how = K, f"every client, as {name} selects"
         else:
             m, how = selected_per_round(algorithm["C"], K), f"m = max(C*K, 1), C = {algorithm['C']}, K = {K}"
         if algorithm["quorum"] > m:
@@ -49,10 +52,10 @@ def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: 
                 f"algorithm.quorum = {algorithm['quorum']} exceeds the {m} clients selected per round "
                 f"({how}): no round could aggregate", True))
         extra = algorithm.get("over_select", 0)
-        if extra and name == "fsvrg":
+        if extra and name in ("fsvrg", "centralised"):
             findings.append(Finding(
                 "over-select-not-applicable",
-                f"algorithm.over_select = {extra}: FSVRG selects every client, so there is no one extra to select",
+                f"algorithm.over_select = {extra}: {name} selects every client, so there is no one extra to select",
                 True))
         elif extra and m + extra > K:
             findings.append(Finding(
@@ -76,7 +79,7 @@ def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: 
             f"network.dropout.per_round = {round_dropout} draws drop-outs at each round, but {name!r} is "
             f"asynchronous and has no rounds, so it would never take effect: use network.dropout.on_off or "
             f"windows", True))
-    if name not in ("fedavg", "fedsgd", "fsvrg") and algorithm.get("over_select", 0):
+    if name not in ROUND_BASED and algorithm.get("over_select", 0):
         findings.append(Finding(
             "over-select-not-applicable",
             f"algorithm.over_select = {algorithm['over_select']} applies to round-based rules (fedavg, fedsgd); "

@@ -73,6 +73,8 @@ class Settings:
     over_select: int = 0  # extra clients selected beyond m; the first m replies count
     on_quorum_missed: str = "skip"  # or "extend_once"
     retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
+    model_init: str = "torch"  # the global model's initial weights: models.INITS
+    model_init_std: float = 0.0  # model_init = "normal": their standard deviation
 
     @property
     def per_round(self) -> int:
@@ -96,7 +98,8 @@ class Engine:
 
     def __init__(self, settings: Settings, model_name: str, dataset: Dataset, runlog: RunLog):
         self.settings = settings
-        self.model = models.build(model_name, seed=settings.seed)
+        self.model = models.build(model_name, seed=settings.seed, init=settings.model_init,
+                                  init_std=settings.model_init_std)
         self.weights = models.get_flat(self.model)
         self.dataset = dataset
         self.runlog = runlog

@@ -105,7 +105,17 @@ class FSVRG(Strategy):
         return None if replies is None else _average(replies)
 
 
-STRATEGIES = {cls.name: cls for cls in (FedAvg, FedSGD, FSVRG)}
+class Centralised(FedAvg):
+    """The centralised baseline of Nilsson et al.'s Table 1: one client holds all the
+    training data (data.clients = 1, partition "iid"; checks.py refuses anything else),
+    so a round is E epochs of B-minibatch SGD over it, with Keras' decay running on,
+    and the average of its one update is the update itself."""
+
+    name = "centralised"
+    selects_all = True
+
+
+STRATEGIES = {cls.name: cls for cls in (FedAvg, FedSGD, FSVRG, Centralised)}
 
 
 def make(name: str, lr: float, lr_decay: float = 0.0, h: float = 1.0) -> Strategy:

@@ -6,7 +6,14 @@ import pytest
 from fedemu.launch import config as configuration
 from fedemu.server.async_engine import Coop, FedAsync, FedBuff, staleness_weight
 from fedemu.server.checks import check
-from fedemu.worker.protocol import Upload
+from fedemu.node import Message
+from fedemu.worker import models
+from fedemu.worker.client import Client, _ModelCache, client_generator
+from fedemu.worker.data import Dataset
+from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
+from fedemu.worker.training import client_update
+
+from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
 
 
 def upload(update, age, is_delta=False, client=0):
@@ -132,3 +139,62 @@ def test_fedbuff_with_compression_uploads_far_fewer_bytes_and_still_learns(tmp_p
     assert not [e for e in read_events(run_dir) if e["event"] == "fault"]
     # Chance is 0.10; 15 sketched uploads of one local epoch each reach about 0.8.
     assert summary["final_accuracy"] >= 0.6
+
+
+# --- an over-active CO-OP client (protocol.OVER_ACTIVE) ----------------------------------
+
+
+@pytest.mark.parametrize("over_active", ["retrain", "continue"])
+def test_an_over_active_coop_client_trains_again_from_the_model_its_rule_names(over_active):
+    """Nilsson et al.'s code ("retrain") throws the over-active training away and trains
+    again from the last model received; "continue" trains on from the trained model.
+    Either way the age sent is the base's, and the iteration count (Keras-style decay)
+    runs on across the discarded training."""
+    images, labels = _data(20)
+    dataset = Dataset("fake", images, labels, images, labels, 10)
+    base = models.get_flat(models.build("2nn", seed=3))
+    client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
+    device = _Outbox()
+    device.pid = CLIENT
+    start = AsyncStart(rule="coop", weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
+                       seed=RUN_SEED, b_l=2, b_u=5, over_active=over_active)
+    client.handle(device, Message(SERVER, start))
+    trained_once = client._weights.copy()
+    assert isinstance(device.sent[-1], AgeRequest)
+    client.handle(device, Message(SERVER, AgeReply(age=1, request=device.sent[-1].request)))  # a - a_k = 1 < b_l
+    assert isinstance(device.sent[-1], TrainAgain)
+    client.handle(device, Message(CLIENT, device.sent[-1]))
+    client.handle(device, Message(SERVER, AgeReply(age=2, request=device.sent[-1].request)))  # a - a_k = b_l
+    upload = device.sent[-1]
+    assert isinstance(upload, Upload) and upload.age == 0
+
+    model = models.build("2nn")
+    models.set_flat(model, base if over_active == "retrain" else trained_once)
+    expected = client_update(model, images, labels, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
+                             generator=client_generator(RUN_SEED, 2, 0), start_iteration=2)
+    np.testing.assert_array_equal(upload.update, expected.weights)
+    assert client.iterations == 4  # 2 steps a training, the discarded one included
+
+
+def test_over_active_is_checked_and_named():
+    assert configuration.load(None)["algorithm"]["over_active"] == "retrain"
+    with pytest.raises(configuration.ConfigError, match=r"algorithm\.over_active"):
+        configuration.load(None, ["algorithm.over_active=skip"])
+
+
+def test_normal_init_draws_every_weight_and_bias_from_its_normal():
+    """model.init = "normal" (Nilsson et al.'s server: N(0, 0.003) in Erlang, whose second
+    argument is the variance): every parameter, biases included, with the given spread;
+    deterministic in the seed."""
+    std = math.sqrt(0.003)
+    model = models.build("2nn", seed=1, init="normal", init_std=std)
+    for parameter in model.parameters():
+        values = parameter.detach().numpy().ravel()
+        assert abs(values.mean()) < 4 * std / math.sqrt(values.size) + 1e-3
+        assert values.std() == pytest.approx(std, rel=0.5 if values.size < 100 else 0.05)
+    again = models.get_flat(models.build("2nn", seed=1, init="normal", init_std=std))
+    np.testing.assert_array_equal(models.get_flat(model), again)
+    torch_default = models.get_flat(models.build("2nn", seed=1))
+    assert abs(torch_default[:784 * 200].std() - std) > 0.02  # PyTorch's own is U(±1/28): std 0.021
+    with pytest.raises(configuration.ConfigError, match=r"model\.init"):
+        configuration.load(None, ["model.init=xavier"])

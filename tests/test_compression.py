@@ -543,8 +543,9 @@ def test_fedasync_upload_decodes_to_base_plus_delta(tmp_path):
 
 
 def test_coop_keeps_one_mask_per_base_across_local_updates(tmp_path):
-    """An over-active CO-OP client trains twice before uploading: both trainings use the
-    base's mask, so the summed delta is still a masked update and decodes exactly."""
+    """An over-active CO-OP client that keeps its training (over_active = "continue")
+    trains twice before uploading: both trainings use the base's mask, so the summed
+    delta is still a masked update and decodes exactly."""
     spec = CompressionSpec(structured="random_mask", keep_fraction=0.1).to_dict()
     engine, client, out = _async_pair(tmp_path, Coop(b_l=1, b_u=4), spec)
     assert isinstance(out.sent[-1], AgeRequest)

@@ -98,3 +98,11 @@ def test_per_round_dropout_is_refused_for_rules_without_rounds(name):
     with pytest.raises(ConfigError, match=rf"network.dropout.per_round = 0.2 .* {name!r} is asynchronous"):
         config.load(None, sets)
     config.load(None, sets[:1] + ["network.dropout.on_off.mean_up_s=60", "network.dropout.on_off.mean_down_s=5"] + sets[2:])
+
+
+def test_centralised_needs_one_client_holding_all_the_data():
+    with pytest.raises(config.ConfigError, match=r"'centralised'.*data\.clients = 1.*got 100 clients"):
+        config.load(None, ["algorithm.name=centralised"])
+    with pytest.raises(config.ConfigError, match=r"partition 'shards'"):
+        config.load(None, ["algorithm.name=centralised", "data.clients=1", "data.partition=shards"])
+    assert config.load(None, ["algorithm.name=centralised", "data.clients=1"])["algorithm"]["name"] == "centralised"

@@ -9,7 +9,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
 
 def test_there_are_examples_for_every_algorithm():
     names = {config.load(path)["algorithm"]["name"] for path in EXAMPLES}
-    assert names == {"fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff"}
+    assert names == {"fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff", "centralised"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -396,7 +396,12 @@ class Client(Behaviour):
         start = self._async
         if age - self._age > start.b_u:  # outdated: reconcile with the global model
             self._request(proc, FetchRequest(self.client_id))
-        elif age - self._age < start.b_l:  # over-active: keep training
+        elif age - self._age < start.b_l:  # over-active: train again (protocol.OVER_ACTIVE)
+            if start.over_active == "retrain":
+                # Nilsson et al.'s rule: the model just trained is thrown away; the next
+                # training starts from the last model received, so its encoding is exact.
+                self._weights = self._base.copy()
+                self._trainings = 0
             proc.send(proc.pid, TrainAgain())
         else:
             self._request(proc, self._upload(self._cache.get(self.model_name), compute_s=0.0))

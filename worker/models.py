@@ -48,17 +48,39 @@ def _cnn() -> nn.Module:
 _BUILDERS = {"2nn": _two_layer_mlp, "cnn": _cnn}
 
 
-def build(name: str, seed: int | None = None) -> nn.Module:
-    """A fresh model; with ``seed``, its initial weights are deterministic."""
+INITS = ("torch", "normal")
+
+
+def build(name: str, seed: int | None = None, init: str = "torch", init_std: float = 0.0) -> nn.Module:
+    """A fresh model; with ``seed``, its initial weights are deterministic.
+
+    ``init = "torch"`` keeps PyTorch's per-layer defaults; ``"normal"`` draws every weight
+    and bias from N(0, init_std^2), as Nilsson et al.'s server did (``random_fc_model``
+    in their server.erl: Erlang's ``rand:normal(0, 0.003)``, whose second argument is the
+    variance, so init_std = sqrt(0.003))."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    if init not in INITS:
+        raise ValueError(f"unknown model init {init!r}; allowed: {', '.join(INITS)}")
     if seed is None:
-        return _BUILDERS[name]()
+        model = _BUILDERS[name]()
+        if init == "normal":
+            _normal_init(model, init_std)
+        return model
     # Seed a forked RNG so building a model leaves the caller's global
     # torch RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _BUILDERS[name]()
+        model = _BUILDERS[name]()
+        if init == "normal":
+            _normal_init(model, init_std)
+        return model
+
+
+def _normal_init(model: nn.Module, std: float) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, std)
 
 
 def num_parameters(model: nn.Module) -> int:

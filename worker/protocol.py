@@ -59,6 +59,14 @@ class Cancel:
 # server (``model``): the client never has to count what it received.
 
 
+# What an over-active CO-OP client (a - a_k < b_l) does with the model it just trained.
+# "retrain": discard it and train again from the last model the server sent, age
+# unchanged, as Nilsson et al.'s code does (clients.erl, edge_handler_indef: too_often
+# recurses with the old Model). "continue": keep training from the trained model, the
+# literal reading of the paper's Algorithm 3 ("continue // Client is overactive").
+OVER_ACTIVE = ("retrain", "continue")
+
+
 @message
 class AsyncStart:
     """Start training asynchronously from ``weights``; the client loops on its own."""
@@ -73,6 +81,7 @@ class AsyncStart:
     seed: int
     b_l: int = 0  # CO-OP age filter
     b_u: int = 0
+    over_active: str = ""  # CO-OP: what a client does when a - a_k < b_l (OVER_ACTIVE)
     compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
     model: int = 0  # the server's number for this model (its count of models sent to this client)
     retry_s: float = 0.0  # emulated seconds without a reply before a request is resent; 0: never

@@ -1,0 +1,218 @@
+"""Nilsson et al. 2018's Table 1, reproduced: FedAvg, CO-OP, FSVRG and the centralised
+baseline on MNIST (2NN), IID and pathological non-IID, repeated 5-fold cross-validation,
+compared with the Bayesian correlated t-test (rope +-1 point), in virtual time.
+
+    python bench/nilsson_table1.py                    # run what is missing, then report
+    python bench/nilsson_table1.py --iterations 3     # all three repetitions of 5-fold CV
+    python bench/nilsson_table1.py --report-only      # the table from what has run so far
+
+Resumable: each run is a directory OUT/<cell>/seed<S>-fold<F>; a completed one is kept,
+an unfinished one is run again. Runs go in the order seed, fold, cell, so a stopped
+benchmark has covered every cell on the same folds. Configs are the examples' own
+(examples/*-nilsson.toml: their initialisation, CO-OP's over-active rule, E = 5, no
+deadline), with data.folds = 5, data.fold, run.seed and data.partition set per run.
+
+The report (OUT/table1.md, printed too): fedemu's Table 1 for each partition beside the
+paper's, on the metric the paper's notebook compared (the best held-out accuracy of a
+run: `best_accuracy`), then the mean final and best accuracy of every cell beside the
+authors' means (their notebooks/cross_validations.ipynb), and OUT/curves.png: accuracy
+against uploads per client, the mean over folds with the range across them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+FOLDS = 5
+
+# (cell name, example config, algorithm.name, partition)
+CELLS = [
+    ("fedavg-iid", "fedavg-noniid-nilsson.toml", "fedavg", "iid"),
+    ("coop-iid", "coop-noniid-nilsson.toml", "coop", "iid"),
+    ("fsvrg-iid", "fsvrg-noniid-nilsson.toml", "fsvrg", "iid"),
+    ("fedavg-noniid", "fedavg-noniid-nilsson.toml", "fedavg", "shards"),
+    ("coop-noniid", "coop-noniid-nilsson.toml", "coop", "shards"),
+    ("fsvrg-noniid", "fsvrg-noniid-nilsson.toml", "fsvrg", "shards"),
+    # Centralised training sees no partition: one run per (seed, fold) serves both tables.
+    ("centralised", "centralised-nilsson.toml", "centralised", "iid"),
+]
+
+# The paper's Table 1 (row against column), the verdicts its notebook's probabilities give.
+PAPER_TABLE = {
+    "iid": {("fedavg", "coop"): "+", ("fedavg", "fsvrg"): "+", ("fedavg", "centralised"): "=",
+            ("coop", "fsvrg"): "=", ("coop", "centralised"): "-", ("fsvrg", "centralised"): "-"},
+    "shards": {("fedavg", "coop"): "+", ("fedavg", "fsvrg"): "+", ("fedavg", "centralised"): "-",
+               ("coop", "fsvrg"): "+", ("coop", "centralised"): "-", ("fsvrg", "centralised"): "-"},
+}
+# Mean best held-out accuracy (%) over their 10 cross-validation runs (2 repetitions of
+# 5 folds), recomputed from their benchmark_results/*/cross_validations*/ logs.
+PAPER_MEANS = {"iid": {"fedavg": 98.08, "coop": 96.78, "fsvrg": 96.83, "centralised": 98.37},
+               "shards": {"fedavg": 96.76, "coop": 90.82, "fsvrg": 83.97, "centralised": 98.37}}
+ORDER = ("fedavg", "coop", "fsvrg", "centralised")
+LABEL = {"fedavg": "FedAvg", "coop": "CO-OP", "fsvrg": "FSVRG", "centralised": "Centr."}
+PARTITION = {"iid": "IID", "shards": "non-IID"}
+
+
+def run_dir(out: Path, cell: str, seed: int, fold: int) -> Path:
+    return out / cell / f"seed{seed}-fold{fold}"
+
+
+def completed(path: Path) -> bool:
+    try:
+        return json.loads((path / "summary.json").read_text()).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
+def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple], workers: int) -> None:
+    todo = [(s, f, c) for s in seeds for f in folds for c in cells if not completed(run_dir(out, c[0], s, f))]
+    print(f"{len(todo)} runs to go in {out}", flush=True)
+    for i, (seed, fold, (cell, example, _, partition)) in enumerate(todo, 1):
+        path = run_dir(out, cell, seed, fold)
+        if path.exists():  # an interrupted run: start it again from scratch
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "fedemu.launch", "launch", str(EXAMPLES / example), "--out", str(path),
+                   "--workers", str(workers), "--set", f"data.folds={FOLDS}", "--set", f"data.fold={fold}",
+                   "--set", f"run.seed={seed}", "--set", f"data.partition={partition}"]
+        started = time.monotonic()
+        print(f"[{i}/{len(todo)}] {cell} seed {seed} fold {fold} ...", end=" ", flush=True)
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        took = time.monotonic() - started
+        if done.returncode != 0 or not completed(path):
+            print(f"FAILED after {took:.0f} s (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
+            raise SystemExit(1)
+        summary = json.loads((path / "summary.json").read_text())
+        print(f"final {summary['final_accuracy']:.4f} best {summary['best_accuracy']:.4f} in {took:.0f} s",
+              flush=True)
+
+
+def _runs_for(out: Path, partition: str) -> dict[str, list[Path]]:
+    cells = {algo: cell for cell, _, algo, part in CELLS if part == partition or algo == "centralised"}
+    return {algo: sorted(p for p in (out / cell).glob("seed*-fold*") if completed(p)) for algo, cell in cells.items()}
+
+
+def _common(runs: dict[str, list[Path]]) -> dict[str, list[Path]]:
+    """Only the (seed, fold) pairs every algorithm has: the t-test pairs them."""
+    names = [set(p.name for p in paths) for paths in runs.values()]
+    common = set.intersection(*names) if names else set()
+    return {algo: [p for p in paths if p.name in common] for algo, paths in runs.items()}
+
+
+def _curve(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(uploads per client, accuracy) at each evaluation."""
+    from fedemu.server.runlog import read_events
+
+    events = read_events(path)
+    clients = next(e["clients"] for e in events if e.get("event") == "start")
+    xs, ys, uploads = [], [], 0
+    for e in events:
+        if e.get("event") != "round":
+            continue
+        uploads += e.get("uploads", 0)
+        if e.get("accuracy") is not None:
+            xs.append(uploads / clients)
+            ys.append(e["accuracy"])
+    return np.array(xs), np.array(ys)
+
+
+def report(out: Path, metric: str) -> str:
+    from fedemu.launch import compare
+
+    lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out})", ""]
+    for partition in ("iid", "shards"):
+        runs = _common(_runs_for(out, partition))
+        n = min(len(p) for p in runs.values())
+        lines.append(f"## {PARTITION[partition]}: {n} paired runs per algorithm "
+                     f"({', '.join(p.name for p in runs['fedavg'])})")
+        lines.append("")
+        means = [["algorithm", "runs", "mean final (%)", "mean best (%)", "paper's mean best (%)"]]
+        for algo in ORDER:
+            summaries = [json.loads((p / "summary.json").read_text()) for p in runs[algo]]
+            final = np.mean([s["final_accuracy"] for s in summaries]) * 100 if summaries else math.nan
+            best = np.mean([s["best_accuracy"] for s in summaries]) * 100 if summaries else math.nan
+            means.append([LABEL[algo], str(len(summaries)), f"{final:.2f}", f"{best:.2f}",
+                          f"{PAPER_MEANS[partition][algo]:.2f}"])
+        lines += _markdown(means) + [""]
+        if n < 2:
+            lines += ["(the t-test needs at least 2 paired runs per algorithm)", ""]
+            continue
+        loaded = compare.collect([p for paths in runs.values() for p in paths])
+        results, _, note = compare.compare(loaded, metric=metric)
+        lookup = {frozenset((r.a, r.b)): r for r in results}
+        rows = [["row vs column", "fedemu", "paper", "P(row better)", "P(equivalent)", "P(column better)"]]
+        for (a, b), paper in PAPER_TABLE[partition].items():
+            r = lookup[frozenset((a, b))]
+            p_row, p_col = (r.p_a, r.p_b) if r.a == a else (r.p_b, r.p_a)
+            rows.append([f"{LABEL[a]} vs {LABEL[b]}", compare.verdict(r, a, 0.95), paper, f"{p_row:.3f}",
+                         f"{r.p_rope:.3f}", f"{p_col:.3f}"])
+        lines += [f"Bayesian correlated t-test on {metric.replace('_', ' ')}: {note}; rope ±0.01, decided at 0.95.",
+                  ""] + _markdown(rows) + [""]
+    text = "\n".join(lines)
+    (out / "table1.md").write_text(text + "\n\n![curves](curves.png)\n")
+    _plot(out)
+    return text
+
+
+def _plot(out: Path) -> None:
+    from fedemu.launch.report import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained", sharey=True)
+    colors = {"fedavg": "#2f56e0", "coop": "#e0562f", "fsvrg": "#2fa84f", "centralised": "#777777"}
+    for ax, partition in zip(axes, ("iid", "shards")):
+        for algo, paths in _common(_runs_for(out, partition)).items():
+            curves = [_curve(p) for p in paths]
+            if not curves:
+                continue
+            length = min(len(x) for x, _ in curves)
+            x = curves[0][0][:length]
+            ys = np.array([y[:length] for _, y in curves]) * 100
+            ax.plot(x, ys.mean(axis=0), color=colors[algo], label=f"{LABEL[algo]} ({len(curves)} runs)")
+            ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=colors[algo], alpha=0.2, linewidth=0)
+        ax.set_title(f"{PARTITION[partition]} MNIST, 2NN: mean over folds, range shaded")
+        ax.set_xlabel("uploads per client (centralised: epochs)")
+        ax.set_ylim(80, 100)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0].set_ylabel("held-out accuracy (%)")
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+
+
+def _markdown(rows: list[list[str]]) -> list[str]:
+    head, *body = rows
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "sweeps" / "nilsson-table1")
+    parser.add_argument("--iterations", type=int, default=1, choices=(1, 2, 3),
+                        help="repetitions of 5-fold cross-validation (run.seed 1..N)")
+    parser.add_argument("--folds", type=int, nargs="*", default=list(range(FOLDS)), help="folds to run (0-4)")
+    parser.add_argument("--cells", nargs="*", default=[c[0] for c in CELLS], choices=[c[0] for c in CELLS])
+    parser.add_argument("--workers", type=int, default=2, help="worker nodes per run")
+    parser.add_argument("--metric", default="best_accuracy", choices=("best_accuracy", "final_accuracy"),
+                        help="what the t-test compares (the paper's notebook: the best)")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        cells = [c for c in CELLS if c[0] in args.cells]
+        run_missing(args.out, list(range(1, args.iterations + 1)), args.folds, cells, args.workers)
+    print(report(args.out, args.metric))
+
+
+if __name__ == "__main__":
+    main()
