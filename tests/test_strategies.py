@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from fedemu.server.strategies import FSVRG, FedAvg, FedSGD, make, weighted_average
+from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, make, weighted_average
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 
@@ -42,6 +42,15 @@ def test_fedavg_averages_only_the_arrivals():
     np.testing.assert_allclose(new, [2.25, 3.75, 4.5], atol=1e-6)
     # The clients get the base rate and the decay: they count their own iterations.
     assert phases.calls == [(TRAIN, 0.1, {"lr_decay": 1e-4})]
+
+
+def test_centralised_takes_its_one_clients_model_bit_for_bit():
+    trained = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    phases = Phases([reply(trained, 56_000)])
+    new = Centralised(lr=0.0703, lr_decay=3.77e-6).run_round(phases, np.zeros(1000, np.float32), 1)
+    np.testing.assert_array_equal(new, trained)  # no averaging error: it is plain SGD over all the data
+    assert phases.calls == [(TRAIN, 0.0703, {"lr_decay": 3.77e-6})]
+    assert Centralised.selects_all
 
 
 def test_a_round_without_quorum_keeps_the_model():
