@@ -5,6 +5,11 @@ compared with the Bayesian correlated t-test (rope +-1 point), in virtual time.
     python bench/nilsson_table1.py                    # run what is missing, then report
     python bench/nilsson_table1.py --iterations 3     # all three repetitions of 5-fold CV
     python bench/nilsson_table1.py --report-only      # the table from what has run so far
+    python bench/nilsson_table1.py --report-only --theirs PATH   # their curves too
+
+--theirs names a checkout of their repository (FraunhoferChalmersCentre/
+fl-performance-evaluation): the curves then show their cross-validation logs
+(benchmark_results/*/cross_validations*/) beside fedemu's, dashed.
 
 Resumable: each run is a directory OUT/<cell>/seed<S>-fold<F>; a completed one is kept,
 an unfinished one is run again. Runs go in the order seed, fold, cell, so a stopped
@@ -126,24 +131,28 @@ def _curve(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.array(xs), np.array(ys)
 
 
-def report(out: Path, metric: str) -> str:
+def report(out: Path, metric: str, theirs: Path | None = None) -> str:
     from fedemu.launch import compare
 
     lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out})", ""]
     for partition in ("iid", "shards"):
-        runs = _common(_runs_for(out, partition))
+        every = _runs_for(out, partition)
+        runs = _common(every)
         n = min(len(p) for p in runs.values())
-        lines.append(f"## {PARTITION[partition]}: {n} paired runs per algorithm "
-                     f"({', '.join(p.name for p in runs['fedavg'])})")
+        lines.append(f"## {PARTITION[partition]}")
         lines.append("")
-        means = [["algorithm", "runs", "mean final (%)", "mean best (%)", "paper's mean best (%)"]]
+        means = [["algorithm", "runs", "mean final (%)", "mean best (%)", "best of each run (%)",
+                  "paper's mean best (%)"]]
         for algo in ORDER:
-            summaries = [json.loads((p / "summary.json").read_text()) for p in runs[algo]]
+            summaries = [json.loads((p / "summary.json").read_text()) for p in every[algo]]
             final = np.mean([s["final_accuracy"] for s in summaries]) * 100 if summaries else math.nan
             best = np.mean([s["best_accuracy"] for s in summaries]) * 100 if summaries else math.nan
-            means.append([LABEL[algo], str(len(summaries)), f"{final:.2f}", f"{best:.2f}",
+            each = ", ".join(f"{s['best_accuracy'] * 100:.2f} ({p.name})" for p, s in zip(every[algo], summaries))
+            means.append([LABEL[algo], str(len(summaries)), f"{final:.2f}", f"{best:.2f}", each or "-",
                           f"{PAPER_MEANS[partition][algo]:.2f}"])
         lines += _markdown(means) + [""]
+        lines += [f"{n} (seed, fold) pairs run for every algorithm: "
+                  f"{', '.join(p.name for p in runs['fedavg']) or 'none yet'}.", ""]
         if n < 2:
             lines += ["(the t-test needs at least 2 paired runs per algorithm)", ""]
             continue
@@ -160,32 +169,73 @@ def report(out: Path, metric: str) -> str:
                   ""] + _markdown(rows) + [""]
     text = "\n".join(lines)
     (out / "table1.md").write_text(text + "\n\n![curves](curves.png)\n")
-    _plot(out)
+    _plot(out, theirs)
     return text
 
 
-def _plot(out: Path) -> None:
+# Their logs: one (loss, accuracy) row per evaluation. Row i is after i rounds for FedAvg
+# (10 uploads a round, K = 100) and FSVRG (2 uploads per client a round), the first row
+# being the initial model; CO-OP evaluated every 10th upload from the 10th; the
+# centralised logs have one row per epoch from the first.
+THEIR_LOGS = {
+    ("fedavg", "iid"): ("fedavg/cross_validations_iid", lambda i: i / 10),
+    ("fedavg", "shards"): ("fedavg/cross_validations", lambda i: i / 10),
+    ("coop", "iid"): ("coop/cross_validations_iid", lambda i: (i + 1) / 10),
+    ("coop", "shards"): ("coop/cross_validations", lambda i: (i + 1) / 10),
+    ("fsvrg", "iid"): ("fsvrg/cross_validations_iid", lambda i: 2 * i),
+    ("fsvrg", "shards"): ("fsvrg/cross_validations", lambda i: 2 * i),
+}
+BUDGET = 100  # uploads per client
+
+
+def their_curves(theirs: Path, algo: str, partition: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(uploads per client, accuracy) of each of their cross-validation logs, cut at the budget."""
+    results = theirs / "benchmark_results"
+    if algo == "centralised":
+        tag = "iid" if partition == "iid" else "noniid"
+        files, x_of = sorted(results.glob(f"centralised/score_log_CL_{tag}_*.csv")), (lambda i: i + 1)
+    else:
+        folder, x_of = THEIR_LOGS[(algo, partition)]
+        files = sorted(f for f in (results / folder).glob("*.csv") if not f.name.startswith("x_old"))
+    curves = []
+    for f in files:
+        accuracy = np.loadtxt(f, delimiter=",", ndmin=2)[:, 1]
+        x = np.array([x_of(i) for i in range(len(accuracy))], dtype=float)
+        keep = x <= (50 if algo == "centralised" else BUDGET)
+        curves.append((x[keep], accuracy[keep]))
+    return curves
+
+
+def _band(ax, curves, color, label, dashed=False) -> None:
+    length = min(len(x) for x, _ in curves)
+    x = curves[0][0][:length]
+    ys = np.array([y[:length] for _, y in curves]) * 100
+    ax.plot(x, ys.mean(axis=0), color=color, linestyle="--" if dashed else "-", linewidth=1.2 if dashed else 1.6,
+            label=label)
+    ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.1 if dashed else 0.22, linewidth=0)
+
+
+def _plot(out: Path, theirs: Path | None = None) -> None:
     from fedemu.launch.report import _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained", sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     colors = {"fedavg": "#2f56e0", "coop": "#e0562f", "fsvrg": "#2fa84f", "centralised": "#777777"}
     for ax, partition in zip(axes, ("iid", "shards")):
-        for algo, paths in _common(_runs_for(out, partition)).items():
+        for algo, paths in _runs_for(out, partition).items():
             curves = [_curve(p) for p in paths]
-            if not curves:
-                continue
-            length = min(len(x) for x, _ in curves)
-            x = curves[0][0][:length]
-            ys = np.array([y[:length] for _, y in curves]) * 100
-            ax.plot(x, ys.mean(axis=0), color=colors[algo], label=f"{LABEL[algo]} ({len(curves)} runs)")
-            ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=colors[algo], alpha=0.2, linewidth=0)
-        ax.set_title(f"{PARTITION[partition]} MNIST, 2NN: mean over folds, range shaded")
+            if curves:
+                _band(ax, curves, colors[algo], f"{LABEL[algo]}, fedemu ({len(curves)} runs)")
+            published = their_curves(theirs, algo, partition) if theirs else []
+            if published:
+                _band(ax, published, colors[algo], f"{LABEL[algo]}, Nilsson et al. ({len(published)} runs)",
+                      dashed=True)
+        ax.set_title(f"{PARTITION[partition]} MNIST, 2NN: mean over runs, range shaded")
         ax.set_xlabel("uploads per client (centralised: epochs)")
-        ax.set_ylim(80, 100)
+        ax.set_ylim(85 if partition == "iid" else 70, 100)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right")
-    axes[0].set_ylabel("held-out accuracy (%)")
+        ax.legend(loc="lower right", fontsize=7.5)
+        ax.set_ylabel("held-out accuracy (%)")
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
 
@@ -206,12 +256,13 @@ def main() -> None:
     parser.add_argument("--metric", default="best_accuracy", choices=("best_accuracy", "final_accuracy"),
                         help="what the t-test compares (the paper's notebook: the best)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--theirs", type=Path, help="a checkout of their repository: plot their logs too")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         cells = [c for c in CELLS if c[0] in args.cells]
         run_missing(args.out, list(range(1, args.iterations + 1)), args.folds, cells, args.workers)
-    print(report(args.out, args.metric))
+    print(report(args.out, args.metric, args.theirs))
 
 
 if __name__ == "__main__":
