@@ -151,6 +151,8 @@ def report(out: Path, metric: str, theirs: Path | None = None) -> str:
             means.append([LABEL[algo], str(len(summaries)), f"{final:.2f}", f"{best:.2f}", each or "-",
                           f"{PAPER_MEANS[partition][algo]:.2f}"])
         lines += _markdown(means) + [""]
+        if theirs is not None:
+            lines += _at_budgets(every, theirs, partition) + [""]
         lines += [f"{n} (seed, fold) pairs run for every algorithm: "
                   f"{', '.join(p.name for p in runs['fedavg']) or 'none yet'}.", ""]
         if n < 2:
@@ -238,6 +240,29 @@ def _plot(out: Path, theirs: Path | None = None) -> None:
         ax.set_ylabel("held-out accuracy (%)")
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
+
+
+AT_UPLOADS = (10, 25, 50, 100)
+
+
+def _best_at(curves, uploads: float) -> list[float]:
+    """Each curve's best accuracy (%) among its evaluations up to ``uploads`` per client."""
+    return [float(np.max(y[x <= uploads + 1e-9])) * 100 for x, y in curves if np.any(x <= uploads + 1e-9)]
+
+
+def _at_budgets(every: dict[str, list[Path]], theirs: Path, partition: str) -> list[str]:
+    """Best accuracy so far at a few upload budgets: fedemu's mean beside their mean and range."""
+    rows = [["algorithm"] + [f"{u} uploads per client: fedemu / theirs (min-max)" for u in AT_UPLOADS]]
+    for algo in ORDER[:3]:
+        mine = [_curve(p) for p in every[algo]]
+        published = their_curves(theirs, algo, partition)
+        cells = []
+        for u in AT_UPLOADS:
+            a, b = _best_at(mine, u), _best_at(published, u)
+            cells.append(f"{np.mean(a):.2f} / {np.mean(b):.2f} ({min(b):.2f}-{max(b):.2f})" if a and b else "-")
+        rows.append([LABEL[algo]] + cells)
+    return ["Best accuracy so far (%) at an upload budget, fedemu's runs against their "
+            "cross-validation logs:", ""] + _markdown(rows)
 
 
 def _markdown(rows: list[list[str]]) -> list[str]:

@@ -120,6 +120,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "buffer_size": Key(int, "FedBuff: uploads per aggregation", check=_positive, rule="> 0"),
         "server_lr": Key(float, "FedBuff server learning rate", check=_positive, rule="> 0"),
         "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=_positive, rule="> 0"),
+        "merge_s": Key(float, "asynchronous rules: emulated seconds the server spends on each upload or fetch "
+                       "(merging, and its share of evaluation); requests queue while it is busy, age requests "
+                       "are answered at once; 0 = instantaneous", check=_non_negative, rule=">= 0 (emulated seconds)"),
         "retry_s": Key(float, "asynchronous rules: emulated seconds a client waits for a reply before it resends "
                        "its request (and the server its AsyncStart), doubling with each resend up to 8x; must "
                        "exceed a model's round trip over the slowest link plus server queueing",

@@ -125,7 +125,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
-        on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
+        on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"], merge_s=algo["merge_s"],
         model_init=config["model"]["init"], model_init_std=config["model"]["init_std"],
     )
     runlog = RunLog(run_dir)

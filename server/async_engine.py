@@ -27,6 +27,7 @@ upload's base whatever was lost. Each evaluation event counts the repeats the se
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -147,6 +148,14 @@ class AsyncEngine(Engine):
         # Clients not heard from since their AsyncStart: that message, when to resend it,
         # and how many times it was resent (each wait is longer: protocol.retry_wait).
         self.unheard: dict[int, tuple[AsyncStart, float, int]] = {}  # due: emulated seconds
+        # With settings.merge_s > 0 the server serves fetches and uploads one at a time,
+        # each taking merge_s emulated seconds: those waiting queue here, in arrival order.
+        self._queue: collections.deque[Message] = collections.deque()
+        self._busy_until = 0.0  # emulated time the request at the head of the queue is served
+        self._evaluation = 0
+        # CO-OP's age filter since the last evaluation: checks asked, and fetches (outdated
+        # clients); uploads are the normal ones, the rest were over-active.
+        self.age_requests = self.fetches = 0
         self.duplicates = 0  # repeated requests seen since the last evaluation
         self.starts_resent = 0  # AsyncStarts resent since the last evaluation
 
@@ -191,76 +200,114 @@ class AsyncEngine(Engine):
 
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
-        evaluation, merges, uploads_at_eval = 0, 0, 0
+        self._evaluation, self._merges, self._uploads_at_eval = 0, 0, 0
+        self._period_uploads: list[int] = []
         last_progress = time.monotonic()
-        period_uploads: list[int] = []
         while True:
             next_start = self._resend_starts(proc)
+            wake = min(next_start, self._busy_until if self._queue else math.inf)
             msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
-                                timeout=None if next_start == math.inf else next_start - proc.now(),
+                                timeout=None if wake == math.inf else max(0.0, wake - proc.now()),
                                 wall_timeout=last_progress + s.progress_timeout_s - time.monotonic())
+            if msg is not TIMEOUT:
+                outcome = self._handle(proc, msg)
+                if outcome is not None:
+                    return outcome
+            # The queue (settings.merge_s > 0): serve every request whose service is over.
+            while self._queue and proc.now() >= self._busy_until - 1e-9:
+                served = self._queue.popleft()
+                if self._queue:
+                    self._busy_until += s.merge_s
+                reason = self._serve_request(proc, served)
+                last_progress = time.monotonic() if isinstance(served.body, Upload) else last_progress
+                if reason:
+                    return "completed", reason
             if msg is TIMEOUT:
                 if time.monotonic() >= last_progress + s.progress_timeout_s:
-                    self._stall(evaluation)
+                    self._stall(self._evaluation)
                     last_progress = time.monotonic()
                 continue
-            body = msg.body
-            if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
-                continue
-            if isinstance(body, WorkerReady):
-                for k in self._rejoin(proc, body, evaluation):
-                    self._start_client(proc, k)
-            elif isinstance(body, Down):
-                self._client_down(proc, body, evaluation)
-                self.ages.pop(self.client_of.get(body.pid), None)
-                self.bases.pop(self.client_of.get(body.pid), None)
-                self.unheard.pop(self.client_of.get(body.pid), None)
-                self.replies.pop(self.client_of.get(body.pid), None)
-                if not self.live:
-                    cause = "every client is gone: nothing can upload again"
-                    self.runlog.event("deadlock", round=evaluation, cause=cause)
-                    return "failed", f"deadlock: {cause}"
-            elif isinstance(body, AgeRequest):
-                self.doing[body.client] = "asked the age"
-                proc.send(msg.sender, AgeReply(self.age, body.request))
-            elif isinstance(body, FetchRequest):
-                self.ages[body.client] = self.age
-                self.doing[body.client] = "fetched (outdated)"
-                self._reply_model(proc, msg)
-            elif body.encoded is not None and not self._decode(body, evaluation):
-                # The update is lost, not the client: give it the model to go on from.
-                self.ages[body.client] = self.age
-                self.doing[body.client] = "sent an undecodable update"
-                self._reply_model(proc, msg)
-            else:
-                self.totals.uploads += 1
-                period_uploads.append(body.client)
-                staleness = self.age - body.age
-                self.weights, self.age, merged = self.rule.merge(self.weights, self.age, body)
-                merges += merged
+            if isinstance(msg.body, Upload) and not s.merge_s:
                 last_progress = time.monotonic()
-                self.ages[body.client] = self.age
-                self.doing[body.client] = f"uploaded (staleness {staleness})"
-                self._reply_model(proc, msg)
-                if self.totals.uploads - uploads_at_eval >= s.eval_every:
-                    uploads_at_eval = self.totals.uploads
-                    evaluation += 1
-                    reason = self._evaluation(proc, evaluation, merges, period_uploads)
-                    period_uploads = []
-                    if reason:
-                        return "completed", reason
             if isinstance(self.rule, Coop) and self._all_over_active():
                 if self.on_deadlock != "recover":
-                    self.runlog.event("deadlock", round=evaluation, cause=self._deadlock_cause(), age=self.age,
+                    self.runlog.event("deadlock", round=self._evaluation, cause=self._deadlock_cause(), age=self.age,
                                       ages={k: self.ages[k] for k in sorted(self.live)})
                     return "failed", f"deadlock: {self._deadlock_cause()}"
                 # Recovery: advance the global age just enough that the stalest live
                 # client passes the lower bound again.
                 widest = max(self.age - self.ages[k] for k in self.live)
                 new_age = self.age + (self.rule.b_l - widest)
-                self.runlog.event("recovered", round=evaluation, cause=self._deadlock_cause(),
+                self.runlog.event("recovered", round=self._evaluation, cause=self._deadlock_cause(),
                                   age_before=self.age, age_after=new_age)
                 self.age = new_age
+
+    def _handle(self, proc: ThreadProcess, msg: Message) -> tuple[str, str] | None:
+        """One message; the run's (status, reason) if it ends the run."""
+        body = msg.body
+        if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
+            return None
+        if isinstance(body, WorkerReady):
+            for k in self._rejoin(proc, body, self._evaluation):
+                self._start_client(proc, k)
+        elif isinstance(body, Down):
+            self._client_down(proc, body, self._evaluation)
+            k = self.client_of.get(body.pid)
+            for table in (self.ages, self.bases, self.unheard, self.replies):
+                table.pop(k, None)
+            if any(queued.body.client == k for queued in self._queue):  # a dead client's request goes unserved
+                self._queue = collections.deque(q for q in self._queue if q.body.client != k)
+            if not self.live:
+                cause = "every client is gone: nothing can upload again"
+                self.runlog.event("deadlock", round=self._evaluation, cause=cause)
+                return "failed", f"deadlock: {cause}"
+        elif isinstance(body, AgeRequest):
+            self.age_requests += 1
+            # Answered at once, even while the server is busy: Nilsson et al.'s server
+            # kept the age in a process of its own (server.erl, track_age).
+            self.doing[body.client] = "asked the age"
+            proc.send(msg.sender, AgeReply(self.age, body.request))
+        elif self.settings.merge_s:
+            if not self._queue:
+                self._busy_until = proc.now() + self.settings.merge_s
+            self._queue.append(msg)
+            self.doing[body.client] = f"queued its {type(body).__name__} at the server"
+        else:
+            reason = self._serve_request(proc, msg)
+            if reason:
+                return "completed", reason
+        return None
+
+    def _serve_request(self, proc: ThreadProcess, msg: Message) -> str | None:
+        """Answer a fetch or merge an upload; the reason the run ends, if it does."""
+        body = msg.body
+        if isinstance(body, FetchRequest):
+            self.fetches += 1
+            self.ages[body.client] = self.age
+            self.doing[body.client] = "fetched (outdated)"
+            self._reply_model(proc, msg)
+            return None
+        if body.encoded is not None and not self._decode(body, self._evaluation):
+            # The update is lost, not the client: give it the model to go on from.
+            self.ages[body.client] = self.age
+            self.doing[body.client] = "sent an undecodable update"
+            self._reply_model(proc, msg)
+            return None
+        self.totals.uploads += 1
+        self._period_uploads.append(body.client)
+        staleness = self.age - body.age
+        self.weights, self.age, merged = self.rule.merge(self.weights, self.age, body)
+        self._merges += merged
+        self.ages[body.client] = self.age
+        self.doing[body.client] = f"uploaded (staleness {staleness})"
+        self._reply_model(proc, msg)
+        if self.totals.uploads - self._uploads_at_eval >= self.settings.eval_every:
+            self._uploads_at_eval = self.totals.uploads
+            self._evaluation += 1
+            reason = self._evaluation_event(proc, self._evaluation, self._merges, self._period_uploads)
+            self._period_uploads = []
+            return reason
+        return None
 
     def _new_request(self, proc: ThreadProcess, msg: Message) -> bool:
         """Whether a request is new; a repeat of the last one answered gets that answer
@@ -276,6 +323,8 @@ class AsyncEngine(Engine):
             return True
         self.duplicates += 1
         self.doing[k] = f"resent {type(body).__name__} {body.request}"
+        if any(q.body.client == k and q.body.request == body.request for q in self._queue):
+            return False  # still queued: its answer comes when it is served
         if body.request == last:
             if isinstance(body, AgeRequest):
                 proc.send(msg.sender, AgeReply(self.age, body.request))
@@ -334,7 +383,7 @@ class AsyncEngine(Engine):
                 f"b_l = {self.rule.b_l}, so no upload can pass the age filter and a cannot grow "
                 f"(a = {self.age}, {len(self.live)} live clients, b_u = {self.rule.b_u})")
 
-    def _evaluation(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
+    def _evaluation_event(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
         accuracy, loss = self._evaluate()
         traffic, broker = self._traffic_since_last(proc)
         self._record(evaluation, accuracy)
@@ -346,8 +395,9 @@ class AsyncEngine(Engine):
             staleness_min=min(staleness, default=None), staleness_max=max(staleness, default=None),
             offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
             duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
+            **({"age_requests": self.age_requests, "fetches": self.fetches} if isinstance(self.rule, Coop) else {}),
         )
-        self.duplicates = self.starts_resent = 0
+        self.duplicates = self.starts_resent = self.age_requests = self.fetches = 0
         return self._finished(evaluation, accuracy)
 
     def waiting_for(self) -> str:

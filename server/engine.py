@@ -73,6 +73,7 @@ class Settings:
     over_select: int = 0  # extra clients selected beyond m; the first m replies count
     on_quorum_missed: str = "skip"  # or "extend_once"
     retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
+    merge_s: float = 0.0  # asynchronous rules: emulated seconds the server takes per fetch or upload (a queue)
     model_init: str = "torch"  # the global model's initial weights: models.INITS
     model_init_std: float = 0.0  # model_init = "normal": their standard deviation
 

@@ -492,3 +492,57 @@ def test_a_lossy_network_no_longer_stalls_the_run(tmp_path, network):
         assert sum(e["duplicate_requests"] for e in rounds) > 0
     else:
         assert 3 not in {k for e in rounds for k in e["uploaders"]}  # gone: never started
+
+
+# --- the server's service time (algorithm.merge_s) -----------------------------------------
+
+
+class ClockProc:
+    """Stands in for the server process on an emulated clock: each scripted message
+    arrives at its time; a receive whose timeout comes first moves the clock to it."""
+
+    def __init__(self, *script):
+        self.script = list(script)  # (emulated time, Message)
+        self.t = 0.0
+        self.sent: list = []  # (emulated time, pid, body)
+
+    def now(self) -> float:
+        return self.t
+
+    def send(self, pid, body):
+        self.sent.append((self.t, pid, body))
+
+    def receive(self, match, timeout=None, wall_timeout=None):
+        due = self.script[0][0] if self.script else float("inf")
+        if timeout is not None and self.t + timeout < due:
+            self.t += timeout
+            return TIMEOUT
+        t, msg = self.script.pop(0)
+        self.t = max(self.t, t)
+        return msg
+
+
+def test_with_merge_s_uploads_queue_at_the_server_and_the_age_is_answered_at_once(tmp_path):
+    """Three uploads arrive together at a server that takes 1 emulated second each: they
+    are merged and answered at 1, 2 and 3 s, in arrival order; an age request at 0.5 s is
+    answered at once with the age before any merge (Nilsson et al.'s age tracker); a
+    repeat of a queued upload waits for the original's answer."""
+    eng = engine(tmp_path, Coop(b_l=1, b_u=100), clients=3, merge_s=1.0)
+    script = [(0.0, weights_upload(eng, k, request=1, value=float(k + 1))) for k in (2, 0, 1)]
+    script += [(0.5, Message(CLIENT_0, AgeRequest(client=0, age=0, request=2))),
+               (0.6, weights_upload(eng, 1, request=1, value=2.0)),  # client 1 resends its queued upload
+               (10.0, stop())]
+    proc = ClockProc(*script)
+    serve(eng, proc)
+    replies = [(t, pid.id, body) for t, pid, body in proc.sent if isinstance(body, (ModelReply, AgeReply))]
+    assert [(t, k, type(b).__name__) for t, k, b in replies] == [
+        (0.5, 0, "AgeReply"), (1.0, 2, "ModelReply"), (2.0, 0, "ModelReply"), (3.0, 1, "ModelReply")]
+    assert replies[0][2].age == 1  # b_l: nothing merged yet
+    assert [b.age for _, _, b in replies[1:]] == [2, 3, 4]
+    assert eng.totals.uploads == 3 and eng.duplicates == 1
+
+
+def test_merge_s_is_checked_and_named():
+    assert configuration.load(None)["algorithm"]["merge_s"] == 0.0
+    with pytest.raises(configuration.ConfigError, match=r"algorithm\.merge_s = -1\.0 is out of range"):
+        configuration.load(None, ["algorithm.merge_s=-1"])
