@@ -89,7 +89,9 @@ def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple
         path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "fedemu.launch", "launch", str(EXAMPLES / example), "--out", str(path),
                    "--workers", str(workers), "--set", f"data.folds={FOLDS}", "--set", f"data.fold={fold}",
-                   "--set", f"run.seed={seed}", "--set", f"data.partition={partition}"]
+                   "--set", f"run.seed={seed}", "--set", f"data.partition={partition}",
+                   # Their fold notebook sorted (label, image bytes) before cutting shards.
+                   "--set", "data.shard_order=pixels"]
         started = time.monotonic()
         print(f"[{i}/{len(todo)}] {cell} seed {seed} fold {fold} ...", end=" ", flush=True)
         done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -78,6 +78,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "dataset": Key(str, "data set", choices=("mnist", "fashion-mnist")),
         "partition": Key(str, "how the training set is split over clients", choices=("iid", "shards")),
         "clients": Key(int, "number of clients K", check=_positive, rule="> 0"),
+        "shard_order": Key(str, "partition = 'shards': the order within a label before the cut: 'stable' keeps the "
+                           "data set's (or the k-fold shuffle's) order; 'pixels' sorts by the raw image bytes, as "
+                           "Nilsson et al.'s fold notebook did", choices=("stable", "pixels")),
         "shards_per_client": Key(int, "shards per client for partition = 'shards'", check=_positive, rule="> 0"),
         "cache_dir": Key(str, "data cache folder ('' = $FEDEMU_DATA_DIR or ~/.cache/fedemu)"),
         "folds": Key(int, "k-fold cross-validation over train + test pooled (Nilsson et al.: 5); 0 = the usual train/test split", check=lambda k: k == 0 or k >= 2, rule="0 or >= 2"),

@@ -187,7 +187,8 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     _set_torch_threads(config, workers)
     dataset, shards = kfold.run_data(config, data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None))
     if shards is None:
-        opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
+        opts = ({"shards_per_client": data_cfg["shards_per_client"], "images": dataset.train_images,
+                 "order": data_cfg["shard_order"]} if data_cfg["partition"] == "shards" else {})
         shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"],
                                 config["run"]["seed"], **opts)
     node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])

@@ -123,3 +123,34 @@ def test_fold_outside_the_folds_is_refused():
         kfold.check(run_config(fold=2))
     with pytest.raises(configuration.ConfigError, match=r"data.folds = 1 is out of range"):
         configuration.load(None, ["data.folds=1"])
+
+
+@pytest.mark.parametrize("order", ["stable", "pixels"])
+def test_pixel_order_cuts_shards_from_each_fold_sorted_by_label_then_image_bytes(order):
+    """Nilsson et al.'s notebook sorted each fold's (label, image bytes) pairs before
+    cutting shards: with order = "pixels" every client's part of a fold is whole runs of
+    that order; "stable" keeps the shuffle's order within a label, which is not."""
+    rng = np.random.default_rng(3)
+    n, k, clients, per_client = 400, 2, 5, 2
+    labels = rng.integers(0, 2, n).astype(np.uint8)
+    images = rng.integers(0, 256, (n, 2, 2), dtype=np.uint8)
+    split = kfold.non_iid(labels, k, clients, per_client, seed=1, images=images, order=order)
+    shard = n // k // (clients * per_client)
+    runs_everywhere = True
+    for f in range(k):
+        fold = split.fold(f)
+        ranked = sorted(fold, key=lambda i: (labels[i], images[i].tobytes()))
+        position = {index: p for p, index in enumerate(ranked)}
+        for part in split.parts[f]:
+            starts = sorted(position[i] for i in part)[::shard]
+            runs = {tuple(sorted(position[i] for i in part))} == {tuple(p for s in starts for p in range(s, s + shard))}
+            runs_everywhere &= runs and all(s % shard == 0 for s in starts)
+    assert runs_everywhere == (order == "pixels")
+    with pytest.raises(ValueError, match="needs the images"):
+        kfold.non_iid(labels, k, clients, per_client, seed=1, order="pixels")
+
+
+def test_shard_order_is_checked_and_named():
+    assert configuration.load(None)["data"]["shard_order"] == "stable"
+    with pytest.raises(configuration.ConfigError, match=r"data\.shard_order"):
+        configuration.load(None, ["data.shard_order=bytes"])

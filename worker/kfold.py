@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import partition
+
 
 @dataclass(frozen=True)
 class KFold:
@@ -77,7 +79,8 @@ def iid(n_samples: int, k: int, num_clients: int, seed: int) -> KFold:
     return KFold([[np.sort(p) for p in fold.reshape(num_clients, -1)] for fold in order.reshape(k, fold_size)])
 
 
-def non_iid(labels: np.ndarray, k: int, num_clients: int, shards_per_client: int, seed: int) -> KFold:
+def non_iid(labels: np.ndarray, k: int, num_clients: int, shards_per_client: int, seed: int,
+            images: np.ndarray | None = None, order: str = "stable") -> KFold:
     """Nilsson et al.'s six steps (module docstring)."""
     if k < 2:
         raise ValueError(f"k-fold needs at least 2 folds, got {k}")
@@ -87,21 +90,22 @@ def non_iid(labels: np.ndarray, k: int, num_clients: int, shards_per_client: int
     _check_split(fold_size, num_shards, f"shards of a fold of {fold_size} ({num_clients} clients x {shards_per_client})")
     rng = np.random.default_rng(seed)
     folds = rng.permutation(len(labels)).astype(np.int64).reshape(k, fold_size)          # (1), (2)
-    # Stable, so the order within a label is the shuffle's and the split is reproducible.
-    folds = [fold[np.argsort(labels[fold], kind="stable")] for fold in folds]           # (3)
+    # "stable": the order within a label is the shuffle's; "pixels": by image bytes, as theirs.
+    folds = [fold[partition.by_label(labels[fold], None if images is None else images[fold], order)]
+             for fold in folds]                                                          # (3)
     shards = [fold.reshape(num_shards, -1) for fold in folds]                           # (4)
     positions = rng.permutation(num_shards).reshape(num_clients, shards_per_client)     # (5)
     return KFold([[np.sort(table[pos].ravel()) for pos in positions] for table in shards])  # (6)
 
 
-def make(partition: str, labels: np.ndarray, k: int, num_clients: int, seed: int,
-         shards_per_client: int = 2) -> KFold:
+def make(kind: str, labels: np.ndarray, k: int, num_clients: int, seed: int,
+         shards_per_client: int = 2, images: np.ndarray | None = None, order: str = "stable") -> KFold:
     """The k-fold split for ``data.partition`` ("iid" or "shards")."""
-    if partition == "iid":
+    if kind == "iid":
         return iid(len(labels), k, num_clients, seed)
-    if partition == "shards":
-        return non_iid(labels, k, num_clients, shards_per_client, seed)
-    raise ValueError(f"no k-fold split for partition {partition!r}; use 'iid' or 'shards'")
+    if kind == "shards":
+        return non_iid(labels, k, num_clients, shards_per_client, seed, images, order)
+    raise ValueError(f"no k-fold split for partition {kind!r}; use 'iid' or 'shards'")
 
 
 def check(config: dict) -> None:
@@ -130,7 +134,8 @@ def run_data(config: dict, dataset):
     check(config)
     images = np.concatenate([dataset.train_images, dataset.test_images])
     labels = np.concatenate([dataset.train_labels, dataset.test_labels])
-    split = make(data["partition"], labels, k, data["clients"], config["run"]["seed"], data["shards_per_client"])
+    split = make(data["partition"], labels, k, data["clients"], config["run"]["seed"], data["shards_per_client"],
+                 images=images, order=data["shard_order"])
     test = split.test(data["fold"])
     view = Dataset(name=f"{dataset.name} fold {data['fold']} of {k}", train_images=images, train_labels=labels,
                    test_images=images[test], test_labels=labels[test], num_classes=dataset.num_classes)

@@ -26,8 +26,27 @@ def iid(n_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
     return [np.sort(part) for part in order.reshape(num_clients, -1)]
 
 
+SHARD_ORDERS = ("stable", "pixels")
+
+
+def by_label(labels: np.ndarray, images: np.ndarray | None = None, order: str = "stable") -> np.ndarray:
+    """Indices sorted by label. Within a label, "stable" keeps the given order; "pixels"
+    sorts by the raw image bytes, as Nilsson et al.'s fold notebook did (it sorted
+    (label, image bytes) pairs), which groups similar-looking images into one shard."""
+    labels = np.asarray(labels)
+    if order == "stable":
+        return np.argsort(labels, kind="stable").astype(np.int64)
+    if order != "pixels":
+        raise ValueError(f"unknown shard order {order!r}; allowed: {', '.join(SHARD_ORDERS)}")
+    if images is None or len(images) != len(labels):
+        raise ValueError("shard order 'pixels' needs the images, one per label")
+    flat = np.ascontiguousarray(images, dtype=np.uint8).reshape(len(labels), -1)
+    return np.array(sorted(range(len(labels)), key=lambda i: (int(labels[i]), flat[i].tobytes())), dtype=np.int64)
+
+
 def shards(
-    labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int
+    labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int,
+    images: np.ndarray | None = None, order: str = "stable",
 ) -> list[np.ndarray]:
     """McMahan's pathological non-IID split.
 
@@ -49,9 +68,8 @@ def shards(
             f"({num_clients} clients x {shards_per_client} shards; "
             f"remainder {len(labels) % num_shards})"
         )
-    # Stable, so equal labels keep data-set order and the split is reproducible.
-    by_label = np.argsort(labels, kind="stable").astype(np.int64)
-    shard_table = by_label.reshape(num_shards, -1)
+    # Stable by default, so equal labels keep data-set order and the split is reproducible.
+    shard_table = by_label(labels, images, order).reshape(num_shards, -1)
     assignment = np.random.default_rng(seed).permutation(num_shards)
     return [
         np.sort(shard_table[client_shards].ravel())
@@ -68,11 +86,12 @@ def make(
             raise ValueError(f"partition 'iid' takes no options, got {sorted(opts)}")
         return iid(len(labels), num_clients, seed)
     if kind == "shards":
-        unknown = set(opts) - {"shards_per_client"}
+        unknown = set(opts) - {"shards_per_client", "images", "order"}
         if unknown:
             raise ValueError(
-                f"partition 'shards' takes only shards_per_client, got {sorted(unknown)}"
+                f"partition 'shards' takes only shards_per_client, images and order, got {sorted(unknown)}"
             )
         # Two shards per client is the paper's pathological non-IID setup.
-        return shards(labels, num_clients, opts.get("shards_per_client", 2), seed)
+        return shards(labels, num_clients, opts.get("shards_per_client", 2), seed,
+                      images=opts.get("images"), order=opts.get("order", "stable"))
     raise ValueError(f"unknown partition kind {kind!r}; allowed: {', '.join(PARTITION_KINDS)}")
