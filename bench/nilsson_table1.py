@@ -229,10 +229,10 @@ def _plot(out: Path, theirs: Path | None = None) -> None:
         for algo, paths in _runs_for(out, partition).items():
             curves = [_curve(p) for p in paths]
             if curves:
-                _band(ax, curves, colors[algo], f"{LABEL[algo]}, fedemu ({len(curves)} runs)")
+                _band(ax, curves, colors[algo], f"{LABEL[algo]}, fedemu ({len(curves)} run{'s' * (len(curves) != 1)})")
             published = their_curves(theirs, algo, partition) if theirs else []
             if published:
-                _band(ax, published, colors[algo], f"{LABEL[algo]}, Nilsson et al. ({len(published)} runs)",
+                _band(ax, published, colors[algo], f"{LABEL[algo]}, Nilsson et al. ({len(published)} run{'s' * (len(published) != 1)})",
                       dashed=True)
         ax.set_title(f"{PARTITION[partition]} MNIST, 2NN: mean over runs, range shaded")
         ax.set_xlabel("uploads per client (centralised: epochs)")
