@@ -209,6 +209,7 @@ class AsyncEngine(Engine):
             msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
                                 timeout=None if wake == math.inf else max(0.0, wake - proc.now()),
                                 wall_timeout=last_progress + s.progress_timeout_s - time.monotonic())
+            uploads_before = self.totals.uploads
             if msg is not TIMEOUT:
                 outcome = self._handle(proc, msg)
                 if outcome is not None:
@@ -219,16 +220,15 @@ class AsyncEngine(Engine):
                 if self._queue:
                     self._busy_until += s.merge_s
                 reason = self._serve_request(proc, served)
-                last_progress = time.monotonic() if isinstance(served.body, Upload) else last_progress
                 if reason:
                     return "completed", reason
+            if self.totals.uploads > uploads_before:  # progress: something was merged
+                last_progress = time.monotonic()
             if msg is TIMEOUT:
                 if time.monotonic() >= last_progress + s.progress_timeout_s:
                     self._stall(self._evaluation)
                     last_progress = time.monotonic()
                 continue
-            if isinstance(msg.body, Upload) and not s.merge_s:
-                last_progress = time.monotonic()
             if isinstance(self.rule, Coop) and self._all_over_active():
                 if self.on_deadlock != "recover":
                     self.runlog.event("deadlock", round=self._evaluation, cause=self._deadlock_cause(), age=self.age,
