@@ -9,6 +9,7 @@ from .strategies import selected_per_round
 
 
 ROUND_BASED = ("fedavg", "fedsgd", "fsvrg", "centralised")
+SELECTS_ALL = {"fsvrg": "FSVRG", "centralised": "the centralised baseline"}  # rules that take every client
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: 
                 f"every client can be over-active. Use b_u >= 2*b_l, or set algorithm.accept_deadlock_risk = true",
                 True, waivable_by="algorithm.accept_deadlock_risk"))
     if name in ROUND_BASED:
-        if name in ("fsvrg", "centralised"):
-            m, how = K, f"every client, as {name} selects"
+        if name in SELECTS_ALL:
+            m, how = K, f"every client, as {SELECTS_ALL[name]} selects"
         else:
             m, how = selected_per_round(algorithm["C"], K), f"m = max(C*K, 1), C = {algorithm['C']}, K = {K}"
         if algorithm["quorum"] > m:
@@ -52,10 +53,11 @@ def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: 
                 f"algorithm.quorum = {algorithm['quorum']} exceeds the {m} clients selected per round "
                 f"({how}): no round could aggregate", True))
         extra = algorithm.get("over_select", 0)
-        if extra and name in ("fsvrg", "centralised"):
+        if extra and name in SELECTS_ALL:
             findings.append(Finding(
                 "over-select-not-applicable",
-                f"algorithm.over_select = {extra}: {name} selects every client, so there is no one extra to select",
+                f"algorithm.over_select = {extra}: {SELECTS_ALL[name]} selects every client, so there is no one "
+                f"extra to select",
                 True))
         elif extra and m + extra > K:
             findings.append(Finding(
