@@ -202,13 +202,14 @@ class AsyncEngine(Engine):
         s = self.settings
         self._evaluation, self._merges, self._uploads_at_eval = 0, 0, 0
         self._period_uploads: list[int] = []
-        last_progress = time.monotonic()
+        last_progress = time.monotonic()  # wall
         while True:
             next_start = self._resend_starts(proc)
             wake = min(next_start, self._busy_until if self._queue else math.inf)
             msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
                                 timeout=None if wake == math.inf else max(0.0, wake - proc.now()),
-                                wall_timeout=last_progress + s.progress_timeout_s - time.monotonic())
+                                wall_timeout=last_progress + s.progress_timeout_s
+                                - time.monotonic())  # wall
             uploads_before = self.totals.uploads
             if msg is not TIMEOUT:
                 outcome = self._handle(proc, msg)
@@ -223,11 +224,11 @@ class AsyncEngine(Engine):
                 if reason:
                     return "completed", reason
             if self.totals.uploads > uploads_before:  # progress: something was merged
-                last_progress = time.monotonic()
+                last_progress = time.monotonic()  # wall
             if msg is TIMEOUT:
-                if time.monotonic() >= last_progress + s.progress_timeout_s:
+                if time.monotonic() >= last_progress + s.progress_timeout_s:  # wall
                     self._stall(self._evaluation)
-                    last_progress = time.monotonic()
+                    last_progress = time.monotonic()  # wall
                 continue
             if isinstance(self.rule, Coop) and self._all_over_active():
                 if self.on_deadlock != "recover":

@@ -108,7 +108,7 @@ class Engine:
         self.client_of: dict[Pid, int] = {}
         self.live: set[int] = set()
         self.totals = _Totals()
-        self._started = time.monotonic()
+        self._started = time.monotonic()  # wall
         self._clock_started: float | None = None  # emulated time when the run's clock started
         self._traffic: dict | None = None
 
@@ -177,10 +177,10 @@ class Engine:
         raise NotImplementedError
 
     def _await_workers(self, proc: ThreadProcess) -> None:
-        deadline = time.monotonic() + self.settings.startup_timeout_s  # real processes starting: wall time
+        deadline = time.monotonic() + self.settings.startup_timeout_s  # wall: real processes starting
         ready_nodes: dict[str, int] = {}
         while len(ready_nodes) < self.settings.workers:
-            msg = self._receive(proc, (WorkerReady,), wall_timeout=deadline - time.monotonic())
+            msg = self._receive(proc, (WorkerReady,), wall_timeout=deadline - time.monotonic())  # wall
             if msg is TIMEOUT:
                 raise _Stopped("failed", (
                     f"only {len(ready_nodes)} of {self.settings.workers} worker nodes reported "
@@ -195,7 +195,7 @@ class Engine:
         if missing:
             raise _Stopped("failed", f"{len(missing)} clients were never hosted, e.g. {sorted(missing)[:5]}")
         self.live = set(self.pids)
-        self._started = time.monotonic()
+        self._started = time.monotonic()  # wall
         proc.node.start_clock()  # emulated time runs from here (virtual time: it stood at 0 until now)
         self._clock_started = proc.now()
         self._traffic = proc.node.broker_stats()
@@ -289,7 +289,7 @@ class Engine:
             return f"reached target accuracy {s.target_accuracy} in round {round_}"
         if s.max_uploads_per_client and self.totals.uploads >= s.max_uploads_per_client * s.clients:
             return f"upload budget spent: {self.totals.uploads} uploads ({s.max_uploads_per_client:g} per client)"
-        if s.max_wall_s and time.monotonic() - self._started >= s.max_wall_s:
+        if s.max_wall_s and time.monotonic() - self._started >= s.max_wall_s:  # wall
             return f"wall-time budget of {s.max_wall_s:g}s spent"
         if round_ >= s.rounds:
             return f"ran {s.rounds} rounds"
@@ -319,7 +319,7 @@ class RoundEngine(Engine):
                          "no round can aggregate again")
                 self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
                 return "failed", f"deadlock: {cause}"
-            started = time.monotonic()
+            started = time.monotonic()  # wall
             proc.node.announce_round(round_, by=proc.pid)
             candidates = sorted(self.live)
             if self.strategy.selects_all:
@@ -351,7 +351,7 @@ class RoundEngine(Engine):
                 compute_s_max=max((r.compute_s for r in final), default=None),
                 slowdowns={r.client: round(r.slowdown, 3) for r in final if r.slowdown != 1.0},
                 offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
-                round_s=round(time.monotonic() - started, 4),
+                round_s=round(time.monotonic() - started, 4),  # wall
             )
             reason = self._finished(round_, accuracy)
             if reason:
@@ -374,11 +374,11 @@ class RoundEngine(Engine):
         waiting = self._waiting = set(asked)  # (and the round: what a deadlock names)
         self._round = round_
         replies: list[TrainReply] = []
-        watchdog = time.monotonic() + s.progress_timeout_s  # real time: a node stuck for real
+        watchdog = time.monotonic() + s.progress_timeout_s  # wall: a node stuck for real
         while waiting and not (book.target and len(replies) >= book.target):
             msg = self._receive(proc, (TrainReply, Down, WorkerReady),
                                 timeout=None if deadline == float("inf") else deadline - proc.now(),
-                                wall_timeout=watchdog - time.monotonic())
+                                wall_timeout=watchdog - time.monotonic())  # wall
             if msg is TIMEOUT:
                 if proc.now() >= deadline:
                     if len(replies) < s.quorum and self.on_quorum_missed == "extend_once" and not extended:
@@ -388,7 +388,7 @@ class RoundEngine(Engine):
                     break
                 self.runlog.event("stall", round=round_, task=task, waiting_s=s.progress_timeout_s,
                                   waiting_for=sorted(waiting), cause="no reply from these clients; no deadline set")
-                watchdog = time.monotonic() + s.progress_timeout_s
+                watchdog = time.monotonic() + s.progress_timeout_s  # wall
                 continue
             body = msg.body
             if isinstance(body, WorkerReady):

@@ -7,6 +7,7 @@ in ``model.parameters()`` order, which is fixed by the module definitions.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -62,19 +63,14 @@ def build(name: str, seed: int | None = None, init: str = "torch", init_std: flo
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
     if init not in INITS:
         raise ValueError(f"unknown model init {init!r}; allowed: {', '.join(INITS)}")
-    if seed is None:
+    # With a seed, a forked RNG: building a model leaves the caller's global torch RNG as it was.
+    with torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext():
+        if seed is not None:
+            torch.manual_seed(seed)
         model = _BUILDERS[name]()
         if init == "normal":
             _normal_init(model, init_std)
-        return model
-    # Seed a forked RNG so building a model leaves the caller's global
-    # torch RNG state as it was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = _BUILDERS[name]()
-        if init == "normal":
-            _normal_init(model, init_std)
-        return model
+    return model
 
 
 def _normal_init(model: nn.Module, std: float) -> None:
