@@ -16,9 +16,11 @@ reason it was dropped. The model, per link and direction:
   the server's uplink, every upload the server's downlink, each one FIFO shared by all
   clients.
 
-Every random decision is a pure function of (run seed, link, direction, stream,
-message counter on that link), so the same seed gives the same decisions whatever the
-thread or process interleaving. Times here are emulated seconds; the broker divides
+Every random decision is a pure function of (run seed, the decision's purpose, link,
+direction, message counter on that link), so the same seed gives the same decisions
+whatever the thread or process interleaving. A purpose is a name (``"loss"``,
+``"jitter/1"``, ``"group network.dropout.leave[0]"``), so two decisions can only share
+draws by sharing a name: independent by construction. Times here are emulated seconds; the broker divides
 them by ``time_scale`` to get wall-clock delays.
 """
 from __future__ import annotations
@@ -37,8 +39,9 @@ DIRECTIONS = {"up": UP, "down": DOWN}
 
 JITTER_DISTRIBUTIONS = ("uniform", "normal", "pareto", "paretonormal")
 
-# Random streams: independent draws for independent decisions on the same message.
-_STREAM_JITTER, _STREAM_LOSS, _STREAM_GE = 1, 2, 3
+# Random streams, by purpose: independent draws for independent decisions on the same message.
+_STREAM_LOSS, _STREAM_GE = "loss", "gilbert-elliott"
+_STREAM_JITTER = tuple(f"jitter/{i}" for i in range(8))  # a jitter sample takes up to 8 uniforms
 
 # Pareto with shape 3 has mean 1.5 and standard deviation sqrt(3)/2: netem's pareto
 # table is such a heavy right tail, scaled to the configured jitter.
@@ -143,9 +146,11 @@ class LinkProfile:
 IDEAL = LinkProfile()
 
 
-def uniform(seed: int, link: int, direction: int, stream: int, counter: int) -> float:
-    """A uniform draw in [0, 1) that depends only on its arguments (counter-based RNG)."""
-    digest = hashlib.blake2b(struct.pack("<qqqqq", seed, link, direction, stream, counter), digest_size=8).digest()
+def uniform(seed: int, purpose: str, link: int, direction: int, counter: int) -> float:
+    """A uniform draw in [0, 1) that depends only on its arguments (counter-based RNG).
+    The fixed-width numbers come first, so distinct purposes can never hash the same input."""
+    digest = hashlib.blake2b(struct.pack("<qqqq", seed, link, direction, counter) + purpose.encode(),
+                             digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) * (1.0 / (1 << 53))
 
 
@@ -257,8 +262,8 @@ class Network:
         if self.is_offline(link, now):
             return Verdict(None, "offline")
 
-        def draw(stream: int, i: int = 0) -> float:
-            return uniform(self.seed, link, direction, stream * 8 + i, counter)
+        def draw(purpose: str) -> float:
+            return uniform(self.seed, purpose, link, direction, counter)
 
         if self._lost(profile, state, draw):
             return Verdict(None, "loss")
@@ -278,7 +283,7 @@ class Network:
         state.busy_until = tx_end
         state.in_flight.append((tx_end, wire_size))
         state.queued_bytes += wire_size
-        delay = (profile.latency_ms + jitter_sample(profile, lambda i: draw(_STREAM_JITTER, i))) / 1000.0
+        delay = (profile.latency_ms + jitter_sample(profile, lambda i: draw(_STREAM_JITTER[i]))) / 1000.0
         arrival = tx_end + max(delay, 0.0)
         if direction == UP and shared is not None:  # then enters the server through its downlink
             arrival = shared.serialize(arrival, wire_size)
@@ -301,7 +306,7 @@ class Network:
 
 # --- availability: when clients are offline ---------------------------------------------
 
-_STREAM_ROUND_DROPOUT, _STREAM_ON_OFF = 11, 12
+_STREAM_ROUND_DROPOUT, _STREAM_ON_OFF = "dropout.per_round", "dropout.on_off"
 
 
 def parse_ids(spec: Any, where: str = "clients", limit: int | None = None) -> frozenset[int]:
@@ -347,7 +352,7 @@ class Availability:
             return group is None or link in group
 
         if self.per_round > 0 and round_ > 0 and covers(self.per_round_clients):
-            if uniform(self.seed, link, 0, _STREAM_ROUND_DROPOUT, round_) < self.per_round:
+            if uniform(self.seed, _STREAM_ROUND_DROPOUT, link, 0, round_) < self.per_round:
                 return True
         for group, start, end in self.windows:
             if start <= now < end and covers(group):
@@ -391,7 +396,7 @@ class Availability:
         while not switches or switches[-1] <= now:
             i = len(switches)
             mean = mean_up if i % 2 == 0 else mean_down
-            u = uniform(self.seed, link, 0, _STREAM_ON_OFF, i)
+            u = uniform(self.seed, _STREAM_ON_OFF, link, 0, i)
             switches.append((switches[-1] if switches else 0.0) - mean * math.log(1.0 - u))
         # Before switches[0] the client is up; after an odd number of switches, down.
         passed = sum(1 for t in switches if t <= now)
@@ -495,7 +500,7 @@ class NetworkSpec:
                                           "(as given there), with no clients or fraction beside it")
                 assign.append((name, machine))
                 continue
-            assign.append((name, _group(entry, where, num_clients, seed, i, required=True)))
+            assign.append((name, _group(entry, where, num_clients, seed, required=True)))
         events = []
         for i, entry in enumerate(section.get("events", [])):
             where = f"network.events[{i}]"
@@ -504,7 +509,7 @@ class NetworkSpec:
             if ("at_round" in entry) == ("at_s" in entry):
                 raise LinkConfigError(f"{where} needs exactly one of at_round and at_s")
             events.append(ScriptedEvent(known(entry.get("profile"), f"{where}.profile"),
-                                        _group(entry, where, num_clients, seed, 100 + i),
+                                        _group(entry, where, num_clients, seed),
                                         entry.get("at_round"), entry.get("at_s")))
         return cls(
             num_clients=num_clients, seed=seed, time_scale=float(time_scale), default_profile=default,
@@ -558,7 +563,7 @@ class NetworkSpec:
             network.set_profile(k, DOWN, down)
 
 
-def _group(entry: dict, where: str, num_clients: int, seed: int, salt: int, required: bool = False):
+def _group(entry: dict, where: str, num_clients: int, seed: int, required: bool = False):
     if "clients" in entry and "fraction" in entry:
         raise LinkConfigError(f"{where}: give clients or fraction, not both")
     if "clients" in entry:
@@ -567,8 +572,9 @@ def _group(entry: dict, where: str, num_clients: int, seed: int, salt: int, requ
         fraction = entry["fraction"]
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
             raise LinkConfigError(f"{where}.fraction = {fraction!r} must be in [0, 1]")
-        # A seeded choice of round(fraction * K) clients: the same group on every rerun.
-        order = sorted(range(num_clients), key=lambda k: uniform(seed, k, 0, 20 + salt, 0))
+        # A seeded choice of round(fraction * K) clients: the same group on every rerun, and
+        # its own stream (named by the config path), independent of every other group's.
+        order = sorted(range(num_clients), key=lambda k: uniform(seed, f"group {where}", k, 0, 0))
         return frozenset(order[: round(fraction * num_clients)])
     if required:
         raise LinkConfigError(f"{where} needs clients (e.g. '0-49') or fraction")
@@ -588,25 +594,25 @@ def _availability(section: Any, num_clients: int, seed: int) -> Availability | N
     if isinstance(per_round, bool) or not isinstance(per_round, (int, float)) or not 0 <= per_round <= 1:
         raise LinkConfigError(f"network.dropout.per_round = {per_round!r} must be a probability in [0, 1]")
     avail = Availability(seed=seed, per_round=float(per_round),
-                         per_round_clients=_group(section, "network.dropout", num_clients, seed, 50))
+                         per_round_clients=_group(section, "network.dropout", num_clients, seed))
     for i, w in enumerate(section.get("windows", [])):
         where = f"network.dropout.windows[{i}]"
         start, end = (w.get("start_s"), w.get("end_s")) if isinstance(w, dict) else (None, None)
         if not isinstance(start, (int, float)) or not isinstance(end, (int, float)) or not 0 <= start < end:
             raise LinkConfigError(f"{where} needs 0 <= start_s < end_s (emulated seconds)")
-        avail.windows.append((_group(w, where, num_clients, seed, 60 + i), float(start), float(end)))
+        avail.windows.append((_group(w, where, num_clients, seed), float(start), float(end)))
     for i, entry in enumerate(section.get("leave", [])):
         where = f"network.dropout.leave[{i}]"
         at = entry.get("at_s") if isinstance(entry, dict) else None
         if not isinstance(at, (int, float)) or at < 0:
             raise LinkConfigError(f"{where} needs at_s >= 0 (emulated seconds)")
-        avail.leave.append((_group(entry, where, num_clients, seed, 70 + i), float(at)))
+        avail.leave.append((_group(entry, where, num_clients, seed), float(at)))
     if "on_off" in section:
         entry = section["on_off"]
         where = "network.dropout.on_off"
         up, down = (entry.get("mean_up_s"), entry.get("mean_down_s")) if isinstance(entry, dict) else (None, None)
         if not all(isinstance(x, (int, float)) and x > 0 for x in (up, down)):
             raise LinkConfigError(f"{where} needs mean_up_s > 0 and mean_down_s > 0 (emulated seconds)")
-        avail.on_off = (_group(entry, where, num_clients, seed, 80), float(up), float(down))
+        avail.on_off = (_group(entry, where, num_clients, seed), float(up), float(down))
     return avail
 
