@@ -60,6 +60,26 @@ def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
     click.echo("ok: the config is valid")
 
 
+@main.command()
+@click.argument("name", required=False)
+def algorithms(name: str | None) -> None:
+    """List the algorithms (built-in, and NAME if it is a plug-in) with their own
+    algorithm.* options and defaults."""
+    from fedemu.server import algorithm
+
+    try:
+        classes = dict(algorithm.built_in())
+        if name:
+            classes = {name: algorithm.get(name)}
+    except algorithm.UnknownAlgorithm as exc:
+        raise _config_error(exc) from None
+    for key, cls in classes.items():
+        kind = "round-based" if cls.synchronous else "asynchronous"
+        click.echo(f"{key}  ({cls.label or key}, {kind}; {cls.__module__}.{cls.__qualname__})")
+        for option, spec in cls.options.items():
+            click.echo(f"    {option} = {spec.default!r}: {spec.doc}")
+
+
 @main.group()
 def data() -> None:
     """Fetch and list data sets."""

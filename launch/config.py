@@ -1,61 +1,40 @@
 """Run configuration: TOML, with the papers' symbol names (C, E, B, lr, b_l, b_u, ...).
 
-One schema (:data:`SCHEMA`) says every section, key, type, allowed values and default;
-loading, ``--set`` overrides and validation all read it, so an error can always name
-the key and what it accepts, before anything starts.
+One schema (:data:`SCHEMA`) says every section, key, type and allowed values (their
+defaults are in ``default.toml``); the ``[algorithm]`` section also takes the options each
+algorithm declares (``server/algorithm.py``: its keys, with their defaults). Loading,
+``--set`` overrides and validation all read them, so an error can always name the key
+and what it accepts, before anything starts.
 """
 from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from fedemu.node.schema import Key, fraction, non_negative, positive, unit_interval
 
 
 class ConfigError(ValueError):
     """A config key or value that is not allowed; the message names it."""
 
 
-@dataclass(frozen=True)
-class Key:
-    type: type | tuple[type, ...]
-    doc: str
-    choices: tuple | None = None
-    check: Callable[[Any], bool] | None = None
-    rule: str = ""  # says what `check` requires, for the error message
-
-
-def _positive(x: Any) -> bool:
-    return x > 0
-
-
-def _non_negative(x: Any) -> bool:
-    return x >= 0
-
-
-def _fraction(x: Any) -> bool:
-    return 0 < x <= 1
-
-
-def _unit_interval(x: Any) -> bool:
-    return 0 <= x <= 1
 
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
         "seed": Key(int, "seed of every random choice in the run"),
-        "rounds": Key(int, "round limit", check=_positive, rule="> 0"),
-        "target_accuracy": Key(float, "stop once test accuracy reaches this (0: never)", check=_unit_interval, rule="in [0, 1]"),
-        "eval_every": Key(int, "evaluate the global model every this many rounds", check=_positive, rule="> 0"),
+        "rounds": Key(int, "round limit", check=positive, rule="> 0"),
+        "target_accuracy": Key(float, "stop once test accuracy reaches this (0: never)", check=unit_interval, rule="in [0, 1]"),
+        "eval_every": Key(int, "evaluate the global model every this many rounds", check=positive, rule="> 0"),
         "out": Key(str, "folder under which run directories are made"),
-        "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=_non_negative, rule=">= 0"),
-        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=_non_negative, rule=">= 0"),
-        "heartbeat_interval_s": Key(float, "node heartbeat period", check=_positive, rule="> 0"),
-        "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=_positive, rule="> 0"),
-        "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=_positive, rule="> 0"),
+        "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=non_negative, rule=">= 0"),
+        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=non_negative, rule=">= 0"),
+        "heartbeat_interval_s": Key(float, "node heartbeat period", check=positive, rule="> 0"),
+        "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=positive, rule="> 0"),
+        "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=positive, rule="> 0"),
         "clock": Key(str, "emulated time: 'virtual' (the broker's discrete-event clock: the same config and seed "
                      "give the same run on any host, load or placement) or 'wall' (the host's clock x time_scale)",
                      choices=("virtual", "wall")),
@@ -63,73 +42,60 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        "device_flops x straggler factor: reproducible) or 'measured' (the training thread's CPU "
                        "time x straggler factor: not reproducible)", choices=("model", "measured")),
         "device_flops": Key(float, "virtual clock, compute = 'model': the emulated device's training speed in "
-                            "FLOP/s (a straggler with factor f runs at device_flops / f)", check=_positive, rule="> 0"),
-        "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster", check=_positive, rule="> 0"),
-        "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=_non_negative, rule=">= 0"),
-        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=_non_negative, rule=">= 0"),
-        "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=_positive, rule="> 0"),
+                            "FLOP/s (a straggler with factor f runs at device_flops / f)", check=positive, rule="> 0"),
+        "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster", check=positive, rule="> 0"),
+        "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=non_negative, rule=">= 0"),
+        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=non_negative, rule=">= 0"),
+        "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=positive, rule="> 0"),
         "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes; > 0 lets "
                          "message I/O preempt training, for tighter link timing on busy cores (0: none)",
                          check=lambda v: 0 <= v <= 19, rule="in 0..19"),
         "restart_clients": Key(int, "times a worker node's supervisor restarts a crashed client (0: never)",
-                               check=_non_negative, rule=">= 0"),
+                               check=non_negative, rule=">= 0"),
     },
     "data": {
         "dataset": Key(str, "data set", choices=("mnist", "fashion-mnist")),
         "partition": Key(str, "how the training set is split over clients", choices=("iid", "shards")),
-        "clients": Key(int, "number of clients K", check=_positive, rule="> 0"),
+        "clients": Key(int, "number of clients K", check=positive, rule="> 0"),
         "shard_order": Key(str, "partition = 'shards': the order within a label before the cut: 'stable' keeps the "
                            "data set's (or the k-fold shuffle's) order; 'pixels' sorts by the raw image bytes, as "
                            "Nilsson et al.'s fold notebook did", choices=("stable", "pixels")),
-        "shards_per_client": Key(int, "shards per client for partition = 'shards'", check=_positive, rule="> 0"),
+        "shards_per_client": Key(int, "shards per client for partition = 'shards'", check=positive, rule="> 0"),
         "cache_dir": Key(str, "data cache folder ('' = $FEDEMU_DATA_DIR or ~/.cache/fedemu)"),
         "folds": Key(int, "k-fold cross-validation over train + test pooled (Nilsson et al.: 5); 0 = the usual train/test split", check=lambda k: k == 0 or k >= 2, rule="0 or >= 2"),
-        "fold": Key(int, "the fold held out as the test set when data.folds >= 2", check=_non_negative, rule=">= 0"),
+        "fold": Key(int, "the fold held out as the test set when data.folds >= 2", check=non_negative, rule=">= 0"),
     },
     "model": {
         "name": Key(str, "model", choices=("2nn", "cnn")),
         "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults, or every weight "
                     "and bias from N(0, init_std^2) (Nilsson et al.)", choices=("torch", "normal")),
-        "init_std": Key(float, "standard deviation of init = 'normal'", check=_positive, rule="> 0"),
+        "init_std": Key(float, "standard deviation of init = 'normal'", check=positive, rule="> 0"),
     },
     "algorithm": {
-        "name": Key(str, "federated algorithm", choices=("fedavg", "fedsgd", "fsvrg", "coop", "fedasync", "fedbuff",
-                                                                "centralised")),
-        "C": Key(float, "fraction of clients selected per round", check=_fraction, rule="in (0, 1]"),
-        "E": Key(int, "local epochs", check=_positive, rule="> 0"),
-        "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=_non_negative, rule=">= 0"),
-        "lr": Key(float, "learning rate eta", check=_positive, rule="> 0"),
-        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=_non_negative, rule=">= 0"),
-        "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=_non_negative, rule=">= 0"),
-        "quorum": Key(int, "minimum updates to aggregate a round", check=_positive, rule="> 0"),
+        "name": Key(str, "federated algorithm: a built-in's name (fedemu algorithms lists them), an installed "
+                    "plug-in's, or 'package.module:Class'"),
+        "C": Key(float, "fraction of clients selected per round", check=fraction, rule="in (0, 1]"),
+        "E": Key(int, "local epochs", check=positive, rule="> 0"),
+        "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=non_negative, rule=">= 0"),
+        "lr": Key(float, "learning rate eta", check=positive, rule="> 0"),
+        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=non_negative, rule=">= 0"),
+        "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=non_negative, rule=">= 0"),
+        "quorum": Key(int, "minimum updates to aggregate a round", check=positive, rule="> 0"),
         "on_quorum_missed": Key(str, "when a deadline passes below the quorum: skip the round (keep the model), "
                                 "or extend the deadline once by deadline_s and skip if still short",
                                 choices=("skip", "extend_once")),
         "over_select": Key(int, "extra clients selected per round beyond m; the first m updates to arrive "
-                           "are aggregated, later ones discarded", check=_non_negative, rule=">= 0"),
-        "h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=_positive, rule="> 0"),
-        "b_l": Key(int, "CO-OP age filter lower bound", check=_non_negative, rule=">= 0"),
-        "b_u": Key(int, "CO-OP age filter upper bound", check=_non_negative, rule=">= 0"),
-        "over_active": Key(str, "CO-OP: what a client does when a - a_k < b_l: 'retrain' discards the model "
-                           "it trained and trains again from the last model the server sent (Nilsson et "
-                           "al.'s code); 'continue' keeps training from the trained model",
-                           choices=("retrain", "continue")),
-        "accept_deadlock_risk": Key(bool, "run CO-OP even where Theorem A.1 says it can deadlock"),
-        "on_deadlock": Key(str, "what CO-OP does in a detected deadlock", choices=("stop", "recover")),
-        "alpha": Key(float, "FedAsync mixing weight", check=_fraction, rule="in (0, 1]"),
-        "staleness": Key(str, "FedAsync staleness function", choices=("constant", "polynomial", "hinge")),
-        "staleness_a": Key(float, "FedAsync staleness parameter a", check=_non_negative, rule=">= 0"),
-        "staleness_b": Key(float, "FedAsync hinge parameter b", check=_non_negative, rule=">= 0"),
-        "buffer_size": Key(int, "FedBuff: uploads per aggregation", check=_positive, rule="> 0"),
-        "server_lr": Key(float, "FedBuff server learning rate", check=_positive, rule="> 0"),
-        "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=_positive, rule="> 0"),
+                           "are aggregated, later ones discarded", check=non_negative, rule=">= 0"),
+        "accept_deadlock_risk": Key(bool, "run even where a static check says the run can deadlock (CO-OP's "
+                                    "Theorem A.1)"),
+        "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=positive, rule="> 0"),
         "merge_s": Key(float, "asynchronous rules: emulated seconds the server spends on each upload or fetch "
                        "(merging, and its share of evaluation); requests queue while it is busy, age requests "
-                       "are answered at once; 0 = instantaneous", check=_non_negative, rule=">= 0 (emulated seconds)"),
+                       "are answered at once; 0 = instantaneous", check=non_negative, rule=">= 0 (emulated seconds)"),
         "retry_s": Key(float, "asynchronous rules: emulated seconds a client waits for a reply before it resends "
                        "its request (and the server its AsyncStart), doubling with each resend up to 8x; must "
                        "exceed a model's round trip over the slowest link plus server queueing",
-                       check=_positive, rule="> 0 (emulated seconds)"),
+                       check=positive, rule="> 0 (emulated seconds)"),
     },
 }
 
@@ -139,19 +105,35 @@ NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
 
-# Rules whose uploads [compression] encodes, and what the others upload instead.
-COMPRESSIBLE = ("fedavg", "fedbuff", "fedasync", "coop")
-UNCOMPRESSIBLE = {
-    "fedsgd": "gradients (one full-batch gradient per round)",
-    "fsvrg": "a full gradient and then an SVRG-trained model per round",
-    "centralised": "one model trained on all the data (the baseline without federation)",
-}
-
-
 def default() -> dict[str, dict[str, Any]]:
-    """The embedded default run: MNIST, 2NN, IID, K=100, C=0.1, E=1, B=10 (FedAvg)."""
+    """The embedded default run: MNIST, 2NN, IID, K=100, C=0.1, E=1, B=10 (FedAvg), with
+    every built-in algorithm's options at their defaults."""
     text = resources.files("fedemu.launch").joinpath(DEFAULT_CONFIG_FILE).read_text()
-    return tomllib.loads(text)
+    config = tomllib.loads(text)
+    config["algorithm"].update({key: spec.default for key, spec in _algorithm_options(config).items()})
+    return config
+
+
+def _algorithm_class(config: dict):
+    """The registered class of algorithm.name; ConfigError if nothing answers to it."""
+    from fedemu.server.algorithm import UnknownAlgorithm, get
+
+    try:
+        return get(config["algorithm"]["name"])
+    except UnknownAlgorithm as exc:
+        raise ConfigError(f"algorithm.name: {exc}") from None
+
+
+def _algorithm_options(config: dict) -> dict[str, Key]:
+    """The algorithm.* keys algorithms own: every built-in's (a sweep over algorithm.name
+    carries each one's options), and the chosen plug-in's."""
+    from fedemu.server.algorithm import all_options
+
+    try:
+        chosen = _algorithm_class(config)
+    except ConfigError:  # validate() reports it
+        chosen = None
+    return all_options(chosen)
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[str, Any]]:
@@ -181,8 +163,9 @@ def _merge(config: dict, user: dict, source: str) -> None:
         if section in NESTED_SECTIONS:
             config[section] = values
             continue
-        for key, value in values.items():
-            _key(section, key)
+        # algorithm.name first: a plug-in's options are known once it is
+        for key, value in sorted(values.items(), key=lambda item: item[0] != "name"):
+            _key(section, key, config)
             config[section][key] = value
 
 
@@ -206,7 +189,7 @@ def apply_override(config: dict, item: str) -> None:
                 raise ConfigError(f"override {item!r}: {section}.{part} is not a table")
         table[last] = value
         return
-    _key(section, key)
+    _key(section, key, config)
     config[section][key] = value
 
 
@@ -214,19 +197,32 @@ def _sections() -> list[str]:
     return [*SCHEMA, *NESTED_SECTIONS]
 
 
-def _key(section: str, key: str) -> Key:
+def _section_keys(section: str, config: dict) -> dict[str, Key]:
+    if section == "algorithm":
+        return {**SCHEMA[section], **_algorithm_options(config)}
+    return SCHEMA[section]
+
+
+def _key(section: str, key: str, config: dict) -> Key:
     if section not in SCHEMA:
         raise ConfigError(f"unknown section {section!r}; sections are {', '.join(_sections())}")
-    spec = SCHEMA[section].get(key)
+    keys = _section_keys(section, config)
+    spec = keys.get(key)
     if spec is None:
-        raise ConfigError(f"unknown key {section}.{key}; [{section}] has {', '.join(SCHEMA[section])}")
+        raise ConfigError(f"unknown key {section}.{key}; [{section}] has {', '.join(keys)}")
     return spec
 
 
 def validate(config: dict) -> None:
-    for section, keys in SCHEMA.items():
+    if not isinstance(config.get("algorithm", {}).get("name"), str):
+        raise ConfigError(f"algorithm.name = {config.get('algorithm', {}).get('name')!r} must be a string")
+    algorithm = _algorithm_class(config)
+    options = _algorithm_options(config)
+    for key, spec in options.items():  # a plug-in's options, say, that default() did not know
+        config["algorithm"].setdefault(key, spec.default)
+    for section in SCHEMA:
         values = config.get(section, {})
-        for key, spec in keys.items():
+        for key, spec in _section_keys(section, config).items():
             if key not in values:
                 raise ConfigError(f"{section}.{key} is missing")
             value = values[key]
@@ -246,20 +242,18 @@ def validate(config: dict) -> None:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
-    if config["algorithm"]["name"] == "centralised" and (config["data"]["clients"] != 1
-                                                          or config["data"]["partition"] != "iid"):
-        raise ConfigError(
-            f"algorithm.name = 'centralised' trains one model on all the training data: it needs data.clients = 1 "
-            f"and data.partition = 'iid' (got {config['data']['clients']} clients, partition "
-            f"{config['data']['partition']!r}); examples/centralised-nilsson.toml sets both")
+    refusal = algorithm.check_config(config)
+    if refusal:
+        raise ConfigError(refusal)
     compression = compression_spec(config)
-    if compression.structured != "none" or compression.sketched:
-        name = config["algorithm"]["name"]
-        if name not in COMPRESSIBLE:
-            raise ConfigError(
-                f"[compression] applies to model updates (algorithm.name = {', '.join(COMPRESSIBLE)}: each "
-                f"sends the delta from the model it trained from); algorithm.name = {name!r} uploads "
-                f"{UNCOMPRESSIBLE[name]}, which the update codecs do not encode")
+    if (compression.structured != "none" or compression.sketched) and algorithm.uploads:
+        from fedemu.server.algorithm import built_in
+
+        compressible = [name for name, cls in built_in().items() if not cls.uploads]
+        raise ConfigError(
+            f"[compression] applies to model updates (algorithm.name = {', '.join(compressible)}: each sends "
+            f"the delta from the model it trained from); algorithm.name = {config['algorithm']['name']!r} "
+            f"uploads {algorithm.uploads}, which the update codecs do not encode")
     from fedemu.worker import kfold
 
     try:

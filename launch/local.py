@@ -30,7 +30,8 @@ def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
         run_dir = Path(out)
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = f"{stamp}-{config['algorithm']['name']}-{config['data']['dataset']}-{config['model']['name']}"
+        algorithm = config["algorithm"]["name"].replace(":", "-")  # a plug-in's package.module:Class
+        name = f"{stamp}-{algorithm}-{config['data']['dataset']}-{config['model']['name']}"
         run_dir = Path(config["run"]["out"]) / name
         suffix = 1
         while run_dir.exists():

@@ -104,8 +104,8 @@ def _set_torch_threads(config: dict, workers: int) -> None:
 
 def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
-    from fedemu.server import strategies
-    from fedemu.server.async_engine import ASYNC_RULES, AsyncEngine, make_rule
+    from fedemu.server import algorithm
+    from fedemu.server.async_engine import AsyncEngine
     from fedemu.server.engine import RoundEngine, Settings, Stop
     from fedemu.server.runlog import RunLog
     from fedemu.worker import data, kfold
@@ -116,7 +116,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     _set_torch_threads(config, 1)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
     dataset, _ = kfold.run_data(config, data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None))
-    asynchronous = algo["name"] in ASYNC_RULES
+    rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
+    asynchronous = not rule.synchronous
     settings = Settings(
         clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
         batch_size=algo["B"], C=algo["C"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
@@ -131,11 +132,10 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     runlog = RunLog(run_dir)
     model_name = config["model"]["name"]
     if asynchronous:
-        engine = AsyncEngine(settings, make_rule(algo), model_name, dataset, runlog,
+        engine = AsyncEngine(settings, rule, model_name, dataset, runlog,
                              lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
     else:
-        strategy = strategies.make(algo["name"], algo["lr"], algo["lr_decay"], algo["h"])
-        engine = RoundEngine(settings, strategy, model_name, dataset, runlog)
+        engine = RoundEngine(settings, rule, model_name, dataset, runlog)
     warm_up(dataset, np.arange(10), model_name)  # round 1's evaluation is not a cold start
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)

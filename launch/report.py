@@ -28,8 +28,6 @@ X_AXES = (
 # Axes whose values are repetitions, not conditions: averaged over in sweep figures.
 REPEAT_KEYS = ("run.seed", "data.fold")
 ALGORITHM_KEY = "algorithm.name"
-ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedsgd": "FedSGD", "fsvrg": "FSVRG", "coop": "CO-OP", "centralised": "Centr.",
-                   "fedasync": "FedAsync", "fedbuff": "FedBuff"}
 
 
 class ReportError(ValueError):
@@ -186,7 +184,14 @@ def short(key: str) -> str:
 
 
 def algorithm_label(name: str) -> str:
-    return ALGORITHM_NAMES.get(name, name)
+    """The algorithm's label (``FedAvg``, ``CO-OP``), or its name where no class answers
+    to it here (a plug-in this machine cannot import)."""
+    from fedemu.server.algorithm import UnknownAlgorithm, get
+
+    try:
+        return get(name).label or name
+    except UnknownAlgorithm:
+        return name
 
 
 # --- sweeps -----------------------------------------------------------------------------

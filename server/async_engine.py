@@ -2,7 +2,7 @@
 al. 2019) and FedBuff (Nguyen et al. 2022) on one engine.
 
 Every client loops on its own (train E epochs, then ask or upload); the server answers
-each message as it comes. A rule says how an upload is merged. Evaluation runs every
+each message as it comes. A rule (``async_rules.py``) says how an upload is merged. Evaluation runs every
 ``eval_every`` uploads (Nilsson evaluated every 10th: as many uploads as one FedAvg
 round at C = 0.1) and each evaluation is written as a ``round`` event, so tools read
 synchronous and asynchronous runs alike.
@@ -40,86 +40,11 @@ from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
                                     WorkerReady, retry_wait)
 
+from .async_rules import AsyncRule
 from .engine import Engine, Settings
 from .runlog import RunLog
 
 log = logging.getLogger("fedemu.server")
-
-
-class AsyncRule:
-    name = ""
-    client_age_start = 0
-
-    def server_age_start(self) -> int:
-        return 0
-
-    def merge(self, weights: np.ndarray, age: int, upload: Upload) -> tuple[np.ndarray, int, bool]:
-        """(new weights, new age, whether the global model changed)."""
-        raise NotImplementedError
-
-
-class Coop(AsyncRule):
-    """Merge at once: alpha = (a - a_k + 1)^(-1/2), w <- (1 - alpha) w + alpha w_k, a <- a + 1.
-    Server age starts at b_l, client ages at 0; clients apply the age filter [b_l, b_u]."""
-
-    name = "coop"
-
-    def __init__(self, b_l: int, b_u: int, over_active: str = "retrain") -> None:
-        self.b_l, self.b_u = b_l, b_u
-        self.over_active = over_active  # what an over-active client does: protocol.OVER_ACTIVE
-
-    def server_age_start(self) -> int:
-        return self.b_l
-
-    def merge(self, weights, age, upload):
-        alpha = (age - upload.age + 1) ** -0.5
-        return ((1 - alpha) * weights + alpha * upload.update).astype(np.float32), age + 1, True
-
-
-def staleness_weight(kind: str, s: int, a: float, b: float) -> float:
-    """FedAsync's staleness functions of s = t - tau."""
-    if kind == "constant":
-        return 1.0
-    if kind == "polynomial":
-        return (s + 1) ** -a
-    if kind == "hinge":
-        return 1.0 if s <= b else 1.0 / (a * (s - b) + 1)
-    raise ValueError(f"unknown staleness function {kind!r}; use constant, polynomial or hinge")
-
-
-class FedAsync(AsyncRule):
-    """w <- (1 - alpha_t) w + alpha_t w_k with alpha_t = alpha * S(t - tau)."""
-
-    name = "fedasync"
-
-    def __init__(self, alpha: float, staleness: str, a: float, b: float) -> None:
-        self.alpha, self.staleness, self.a, self.b = alpha, staleness, a, b
-        staleness_weight(staleness, 0, a, b)  # an unknown function fails here, not mid-run
-
-    def merge(self, weights, age, upload):
-        mix = self.alpha * staleness_weight(self.staleness, age - upload.age, self.a, self.b)
-        return ((1 - mix) * weights + mix * upload.update).astype(np.float32), age + 1, True
-
-
-class FedBuff(AsyncRule):
-    """Buffer uploaded deltas, each weighted 1/sqrt(1 + s); when ``buffer_size`` are in,
-    w <- w + server_lr * mean(weighted deltas), and the version t grows by one."""
-
-    name = "fedbuff"
-
-    def __init__(self, buffer_size: int, server_lr: float) -> None:
-        self.buffer_size, self.server_lr = buffer_size, server_lr
-        self._buffer: list[np.ndarray] = []
-
-    def merge(self, weights, age, upload):
-        if not upload.is_delta:
-            raise ValueError(f"FedBuff needs model deltas; client {upload.client} sent weights")
-        self._buffer.append(upload.update / math.sqrt(1 + (age - upload.age)))
-        if len(self._buffer) < self.buffer_size:
-            return weights, age, False
-        step = np.mean(self._buffer, axis=0)
-        self._buffer.clear()
-        return (weights + self.server_lr * step).astype(np.float32), age + 1, True
 
 
 class AsyncEngine(Engine):
@@ -140,7 +65,7 @@ class AsyncEngine(Engine):
         # they received; the server keeps that model (a reference: the global model is
         # never changed in place, so clients holding the same version share one array).
         self.bases: dict[int, np.ndarray] = {}
-        self._keep_bases = self.codec is not None and not isinstance(rule, FedBuff)
+        self._keep_bases = self.codec is not None and not rule.uploads_delta
         # Exactly once: the id of the last request answered per client, and (compressed
         # runs) the ModelReply it got, to send again; see _reply_model.
         self.answered: dict[int, int] = {}
@@ -171,8 +96,7 @@ class AsyncEngine(Engine):
     def _start_client(self, proc: ThreadProcess, k: int) -> None:
         """Start client k's asynchronous loop from the current global model."""
         s = self.settings
-        coop = isinstance(self.rule, Coop)
-        b_l, b_u = (self.rule.b_l, self.rule.b_u) if coop else (0, 0)
+        b_l, b_u = self.rule.age_filter or (0, 0)
         self.ages[k] = self.rule.client_age_start
         self.doing[k] = "training"
         self.sent.pop(k, None)  # a restarted client is a new process: models and requests count anew
@@ -181,7 +105,8 @@ class AsyncEngine(Engine):
         start = AsyncStart(
             rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
-            over_active=self.rule.over_active if coop else "", compression=s.compression if self.codec else None,
+            over_active=getattr(self.rule, "over_active", ""), asks_age=self.rule.age_filter is not None,
+            uploads_delta=self.rule.uploads_delta, compression=s.compression if self.codec else None,
             retry_s=s.retry_s)
         self._send_model(proc, k, self.pids[k], start)
         self.unheard[k] = (start, proc.now() + s.retry_s, 0)
@@ -230,7 +155,7 @@ class AsyncEngine(Engine):
                     self._stall(self._evaluation)
                     last_progress = time.monotonic()  # wall
                 continue
-            if isinstance(self.rule, Coop) and self._all_over_active():
+            if self.rule.age_filter is not None and self._all_over_active():
                 if self.on_deadlock != "recover":
                     self.runlog.event("deadlock", round=self._evaluation, cause=self._deadlock_cause(), age=self.age,
                                       ages={k: self.ages[k] for k in sorted(self.live)})
@@ -238,7 +163,7 @@ class AsyncEngine(Engine):
                 # Recovery: advance the global age just enough that the stalest live
                 # client passes the lower bound again.
                 widest = max(self.age - self.ages[k] for k in self.live)
-                new_age = self.age + (self.rule.b_l - widest)
+                new_age = self.age + (self.rule.age_filter[0] - widest)
                 self.runlog.event("recovered", round=self._evaluation, cause=self._deadlock_cause(),
                                   age_before=self.age, age_after=new_age)
                 self.age = new_age
@@ -376,13 +301,14 @@ class AsyncEngine(Engine):
         return True
 
     def _all_over_active(self) -> bool:
-        return bool(self.live) and all(self.age - self.ages[k] < self.rule.b_l for k in self.live)
+        return bool(self.live) and all(self.age - self.ages[k] < self.rule.age_filter[0] for k in self.live)
 
     def _deadlock_cause(self) -> str:
         gaps = sorted(self.age - self.ages[k] for k in self.live)
+        b_l, b_u = self.rule.age_filter
         return (f"every live client is over-active: a - a_k ranges {gaps[0]}..{gaps[-1]}, all below "
-                f"b_l = {self.rule.b_l}, so no upload can pass the age filter and a cannot grow "
-                f"(a = {self.age}, {len(self.live)} live clients, b_u = {self.rule.b_u})")
+                f"b_l = {b_l}, so no upload can pass the age filter and a cannot grow "
+                f"(a = {self.age}, {len(self.live)} live clients, b_u = {b_u})")
 
     def _evaluation_event(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
         accuracy, loss = self._evaluate()
@@ -396,7 +322,7 @@ class AsyncEngine(Engine):
             staleness_min=min(staleness, default=None), staleness_max=max(staleness, default=None),
             offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
             duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
-            **({"age_requests": self.age_requests, "fetches": self.fetches} if isinstance(self.rule, Coop) else {}),
+            **({"age_requests": self.age_requests, "fetches": self.fetches} if self.rule.age_filter is not None else {}),
         )
         self.duplicates = self.starts_resent = self.age_requests = self.fetches = 0
         return self._finished(evaluation, accuracy)
@@ -420,17 +346,3 @@ class AsyncEngine(Engine):
                           duplicate_requests=self.duplicates, starts_resent=self.starts_resent)
         log.warning("no progress for %.0fs; clients by last known state: %s",
                     self.settings.progress_timeout_s, {s: len(v) for s, v in by_state.items()})
-
-
-def make_rule(algorithm: dict) -> AsyncRule:
-    name = algorithm["name"]
-    if name == "coop":
-        return Coop(algorithm["b_l"], algorithm["b_u"], algorithm["over_active"])
-    if name == "fedasync":
-        return FedAsync(algorithm["alpha"], algorithm["staleness"], algorithm["staleness_a"], algorithm["staleness_b"])
-    if name == "fedbuff":
-        return FedBuff(algorithm["buffer_size"], algorithm["server_lr"])
-    raise ValueError(f"unknown asynchronous rule {name!r}; use coop, fedasync or fedbuff")
-
-
-ASYNC_RULES = ("coop", "fedasync", "fedbuff")

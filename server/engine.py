@@ -359,11 +359,12 @@ class RoundEngine(Engine):
         return "completed", f"ran {s.rounds} rounds"
 
     def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str, lr: float,
-               lr_decay: float = 0.0, full_gradient: np.ndarray | None = None) -> list[TrainReply] | None:
+               lr_decay: float = 0.0, full_gradient: np.ndarray | None = None,
+               prox_mu: float = 0.0) -> list[TrainReply] | None:
         s = self.settings
         request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
                                batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
-                               full_gradient=full_gradient,
+                               full_gradient=full_gradient, prox_mu=prox_mu,
                                compression=s.compression if task == TRAIN and self.codec else None)
         asked = [k for k in book.selected if k in self.live]
         for k in asked:

@@ -1,4 +1,5 @@
-"""Round-based aggregation rules: one small class per algorithm.
+"""Round-based aggregation rules: one small class per algorithm, each registered under
+its name (``algorithm.py`` says what a class declares).
 
 A strategy says what selected clients are asked to do (``task``) and how their replies
 become the next global model. Everything else — selection, deadlines, quorum,
@@ -11,7 +12,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from fedemu.node.schema import Key, positive
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
+
+from .algorithm import Algorithm, register
 
 
 def selected_per_round(C: float, K: int) -> int:
@@ -34,20 +38,23 @@ def weighted_average(updates: Sequence[np.ndarray], counts: Sequence[int]) -> np
     return acc.astype(np.float32)
 
 
-# run_phase(task, lr, lr_decay=0.0, full_gradient=None) sends one request to every
-# selected client and returns the replies that arrived, or None when fewer than the
-# quorum did (the round is then skipped and the model kept).
+# run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0) sends one request
+# to every selected client and returns the replies that arrived, or None when fewer than
+# the quorum did (the round is then skipped and the model kept).
 RunPhase = Callable[..., "list[TrainReply] | None"]
 
 
-class Strategy:
-    name = ""
+class Strategy(Algorithm):
+    synchronous = True
     selects_all = False  # True: every live client takes part (FSVRG), not m = C*K
 
-    def __init__(self, lr: float, lr_decay: float = 0.0, h: float = 1.0) -> None:
+    def __init__(self, lr: float, lr_decay: float = 0.0) -> None:
         self.lr = lr
         self.lr_decay = lr_decay
-        self.h = h
+
+    @classmethod
+    def from_config(cls, algorithm):
+        return cls(algorithm["lr"], algorithm["lr_decay"])
 
     def run_round(self, run_phase: RunPhase, weights: np.ndarray, round_: int) -> np.ndarray | None:
         """One round; the new global model, or None if the round could not aggregate."""
@@ -61,22 +68,27 @@ def _average(replies: Sequence[TrainReply]) -> np.ndarray:
     return weighted_average([r.update for r in replies], [r.num_samples for r in replies])
 
 
+@register
 class FedAvg(Strategy):
     """McMahan et al. 2017, Algorithm 1: w <- sum_k n_k/n_sigma w_k over arrivals.
     The learning-rate decay runs on the clients, per local iteration (Keras)."""
 
     name = "fedavg"
+    label = "FedAvg"
 
     def run_round(self, run_phase, weights, round_):
         replies = run_phase(TRAIN, self.lr, lr_decay=self.lr_decay)
         return None if replies is None else _average(replies)
 
 
+@register
 class FedSGD(Strategy):
     """w <- w - eta * sum_k n_k/n_sigma g_k, each g_k a full local-batch gradient.
     One global SGD step per round, so Keras' decay counts rounds."""
 
     name = "fedsgd"
+    label = "FedSGD"
+    uploads = "gradients (one full-batch gradient per round)"
 
     def learning_rate(self, round_: int) -> float:
         return self.lr / (1.0 + self.lr_decay * (round_ - 1))
@@ -88,6 +100,7 @@ class FedSGD(Strategy):
         return (weights - self.learning_rate(round_) * _average(replies)).astype(np.float32)
 
 
+@register
 class FSVRG(Strategy):
     """Nilsson et al. 2018, Algorithm 2: every client uploads its full local gradient at
     w_t; the server forms grad f(w_t) = sum n_k/n g_k and sends it back; each client
@@ -95,7 +108,18 @@ class FSVRG(Strategy):
     Two uploads per client per round."""
 
     name = "fsvrg"
+    label = "FSVRG"
     selects_all = True
+    uploads = "a full gradient and then an SVRG-trained model per round"
+    options = {"h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=positive, rule="> 0", default=4.0)}
+
+    def __init__(self, lr: float, lr_decay: float = 0.0, h: float = 4.0) -> None:
+        super().__init__(lr, lr_decay)
+        self.h = h
+
+    @classmethod
+    def from_config(cls, algorithm):
+        return cls(algorithm["lr"], algorithm["lr_decay"], algorithm["h"])
 
     def run_round(self, run_phase, weights, round_):
         gradients = run_phase(GRADIENT, 0.0)
@@ -105,21 +129,24 @@ class FSVRG(Strategy):
         return None if replies is None else _average(replies)
 
 
+@register
 class Centralised(FedAvg):
     """The centralised baseline of Nilsson et al.'s Table 1: one client holds all the
-    training data (data.clients = 1, partition "iid"; checks.py refuses anything else),
-    so a round is E epochs of B-minibatch SGD over it, with Keras' decay running on,
-    and the average of its one update is the update itself."""
+    training data (data.clients = 1, partition "iid"; check_config refuses anything
+    else), so a round is E epochs of B-minibatch SGD over it, with Keras' decay running
+    on, and the average of its one update is the update itself."""
 
     name = "centralised"
+    label = "Centr."
+    title = "the centralised baseline"
     selects_all = True
+    uploads = "one model trained on all the data (the baseline without federation)"
 
-
-STRATEGIES = {cls.name: cls for cls in (FedAvg, FedSGD, FSVRG, Centralised)}
-
-
-def make(name: str, lr: float, lr_decay: float = 0.0, h: float = 1.0) -> Strategy:
-    try:
-        return STRATEGIES[name](lr, lr_decay, h)
-    except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; round-based ones are {', '.join(STRATEGIES)}") from None
+    @classmethod
+    def check_config(cls, config):
+        data = config["data"]
+        if data["clients"] != 1 or data["partition"] != "iid":
+            return (f"algorithm.name = 'centralised' trains one model on all the training data: it needs "
+                    f"data.clients = 1 and data.partition = 'iid' (got {data['clients']} clients, partition "
+                    f"{data['partition']!r}); examples/centralised-nilsson.toml sets both")
+        return None

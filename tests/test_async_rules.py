@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.server.async_engine import Coop, FedAsync, FedBuff, staleness_weight
+from fedemu.server.async_rules import Coop, FedAsync, FedBuff, staleness_weight
 from fedemu.server.checks import check
 from fedemu.node import Message
 from fedemu.worker import models
@@ -108,7 +108,7 @@ def test_compression_refusal_names_the_rule_and_why(name, uploads):
     with pytest.raises(configuration.ConfigError) as err:
         configuration.load(None, [f"algorithm.name={name}", *SKETCH])
     assert f"algorithm.name = {name!r} uploads {uploads}" in str(err.value)
-    assert "fedavg, fedbuff, fedasync, coop" in str(err.value)
+    assert "(algorithm.name = fedavg, coop, fedasync, fedbuff, fedprox, fedadam, fedyogi: " in str(err.value)
 
 
 MODEL_BYTES = 199_210 * 4  # one 2NN as float32
@@ -156,7 +156,7 @@ def test_an_over_active_coop_client_trains_again_from_the_model_its_rule_names(o
     client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
     device = _Outbox()
     device.pid = CLIENT
-    start = AsyncStart(rule="coop", weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
+    start = AsyncStart(rule="coop", asks_age=True, weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
                        seed=RUN_SEED, b_l=2, b_u=5, over_active=over_active)
     client.handle(device, Message(SERVER, start))
     trained_once = client._weights.copy()

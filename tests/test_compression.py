@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from fedemu.node import Message, Pid, wire
-from fedemu.server.async_engine import AsyncEngine, Coop, FedAsync, FedBuff
+from fedemu.server.async_engine import AsyncEngine
+from fedemu.server.async_rules import Coop, FedAsync, FedBuff
 from fedemu.server.engine import Settings
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker import compression, models
@@ -502,10 +503,11 @@ def _async_pair(tmp_path, rule, spec):
     dataset = Dataset("fake", images, labels, images, labels, 10)
     client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
     server_out, client_out = _Outbox(), _Outbox()
-    b_l, b_u = (rule.b_l, rule.b_u) if isinstance(rule, Coop) else (0, 0)
+    b_l, b_u = rule.age_filter or (0, 0)
     engine._send_model(server_out, 0, CLIENT, AsyncStart(
         rule=rule.name, weights=engine.weights, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
-        seed=RUN_SEED, b_l=b_l, b_u=b_u, compression=spec))
+        seed=RUN_SEED, b_l=b_l, b_u=b_u, asks_age=rule.age_filter is not None, uploads_delta=rule.uploads_delta,
+        compression=spec))
     client.handle(client_out, Message(SERVER, server_out.sent[-1]))
     return engine, client, client_out
 

@@ -18,7 +18,8 @@ import pytest
 
 from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Message, Pid, wire
-from fedemu.server.async_engine import AsyncEngine, Coop, FedAsync
+from fedemu.server.async_engine import AsyncEngine
+from fedemu.server.async_rules import Coop, FedAsync
 from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, _ModelCache
@@ -164,7 +165,7 @@ def test_the_client_takes_only_the_reply_to_its_pending_request(tmp_path):
     assert [type(b) for b in trained] == [AgeRequest] and trained[0].request == 3
     assert client._bases == 7  # the server's number, whatever the client received before
     assert deliver(ModelReply(model, 2, request=2, model=7)) == []  # the same reply again: no second training
-    again = AsyncStart(rule="coop", weights=model, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
+    again = AsyncStart(rule="coop", asks_age=True, weights=model, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
                        seed=RUN_SEED, b_l=1, b_u=4, model=1)
     assert deliver(again) == []  # a resent AsyncStart: this process has started already
     assert client.stale_replies == 5 and client._updates == 2 and client._bases == 7
@@ -211,7 +212,7 @@ def _async_client(stragglers: StragglerSpec = StragglerSpec()) -> tuple[Client, 
                     stragglers)
     weights = np.zeros(199_210, dtype=np.float32)  # the 2NN's size
     device = _Device()
-    client.handle(device, Message(SERVER, AsyncStart(rule="coop", weights=weights, age=0, epochs=1, batch_size=10,
+    client.handle(device, Message(SERVER, AsyncStart(rule="coop", asks_age=True, weights=weights, age=0, epochs=1, batch_size=10,
                                                      lr=0.1, lr_decay=0.0, seed=RUN_SEED, b_l=1, b_u=4,
                                                      model=1, retry_s=60.0)))
     return client, weights, device
@@ -389,7 +390,7 @@ def _served_client(procs, stragglers: StragglerSpec, retry_s: float):
     pair = Pair(start_broker(procs, {}))
     pair.client_node.spawn_behaviour(client, name="client/0", link=0)
     wait_for(lambda: pair.server_node.whereis("client/0"), "the client never registered")
-    start = AsyncStart(rule="coop", weights=np.zeros(199_210, np.float32), age=0, epochs=1, batch_size=10, lr=0.1,
+    start = AsyncStart(rule="coop", asks_age=True, weights=np.zeros(199_210, np.float32), age=0, epochs=1, batch_size=10, lr=0.1,
                        lr_decay=0.0, seed=RUN_SEED, b_l=1, b_u=4, model=1, retry_s=retry_s)
     arrivals: list = []
     outbox: collections.deque = collections.deque()

@@ -1,7 +1,12 @@
+import math
+
 import numpy as np
 import pytest
 
-from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, make, weighted_average
+from fedemu.server import algorithm
+from fedemu.server.fedopt import FedAdam, FedYogi
+from fedemu.server.fedprox import FedProx
+from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, weighted_average
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 
@@ -81,6 +86,68 @@ def test_fsvrg_sends_the_weighted_full_gradient_then_averages_the_models():
     assert FSVRG.selects_all and not FedAvg.selects_all
 
 
-def test_unknown_algorithm_is_named():
-    with pytest.raises(ValueError, match="unknown algorithm 'coop'; round-based ones are fedavg, fedsgd, fsvrg"):
-        make("coop", 0.1)
+def test_unknown_algorithm_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown algorithm 'fedavgg': fedemu has fedavg, fedsgd, fsvrg, "
+                                         "centralised, coop, fedasync, fedbuff, fedprox, fedadam, fedyogi"):
+        algorithm.get("fedavgg")
+    with pytest.raises(ValueError, match=r"cannot import 'nosuchpackage.algos' \(No module named 'nosuchpackage'\)"):
+        algorithm.get("nosuchpackage.algos:Mine")
+    with pytest.raises(ValueError, match="module 'fedemu.server.strategies' has no 'Nope'"):
+        algorithm.get("fedemu.server.strategies:Nope")
+    with pytest.raises(ValueError, match="not a subclass of fedemu's Strategy or AsyncRule"):
+        algorithm.get("fedemu.server.strategies:weighted_average")
+    assert algorithm.get("fedemu.server.strategies:FedAvg") is FedAvg
+
+
+def test_fedprox_asks_for_the_proximal_term_and_averages_as_fedavg():
+    phases = Phases([reply([3, 3, 3], 600), reply([0, 6, 9], 200)])
+    new = FedProx(lr=0.1, lr_decay=1e-4, mu=0.5).run_round(phases, np.zeros(3, np.float32), 1)
+    np.testing.assert_allclose(new, [2.25, 3.75, 4.5], atol=1e-6)
+    assert phases.calls == [(TRAIN, 0.1, {"lr_decay": 1e-4, "prox_mu": 0.5})]
+
+
+def _fedopt_rounds(cls, w0, averages):
+    """Rounds whose clients' average model is w_t + Delta_t (one client, so the average is it)."""
+    strategy = cls(lr=0.1, eta=1.0, beta1=0.5, beta2=0.75, tau=1.0)
+    w = np.asarray(w0, np.float32)
+    out = []
+    for delta in averages:
+        w = strategy.run_round(Phases([reply(w + np.asarray(delta, np.float32), 10)]), w, len(out) + 1)
+        out.append(w)
+    return out
+
+
+def test_fedadam_and_fedyogi_hand_computed():
+    """beta1 = 0.5, beta2 = 0.75, tau = 1, eta = 1; m starts at 0, v at tau^2 = 1.
+    Round 1, Delta = [1, -1]: m = [0.5, -0.5]; Adam v = 0.75 + 0.25 = [1, 1]; Yogi v = 1 - 0.25 *
+    1 * sign(1 - 1) = [1, 1]; w1 = w0 + m / (sqrt(v) + 1) = w0 + [0.25, -0.25] for both.
+    Round 2, Delta = [3, 0]: m = 0.5 m + 0.5 Delta = [1.75, -0.25]. Adam v = 0.75 [1, 1] +
+    0.25 [9, 0] = [3, 0.75]; Yogi v = [1, 1] - 0.25 [9, 0] sign([1 - 9, 1 - 0]) = [3.25, 1]:
+    Yogi's v moved by (1 - beta2) Delta^2 only, and did not decay where Delta = 0."""
+    w0 = [2.0, 2.0]
+    adam = _fedopt_rounds(FedAdam, w0, [[1, -1], [3, 0]])
+    yogi = _fedopt_rounds(FedYogi, w0, [[1, -1], [3, 0]])
+    for w in (adam, yogi):
+        np.testing.assert_allclose(w[0], [2.25, 1.75], atol=1e-6)
+    np.testing.assert_allclose(adam[1], [2.25 + 1.75 / (math.sqrt(3) + 1), 1.75 - 0.25 / (math.sqrt(0.75) + 1)],
+                               atol=1e-6)
+    np.testing.assert_allclose(yogi[1], [2.25 + 1.75 / (math.sqrt(3.25) + 1), 1.75 - 0.25 / 2], atol=1e-6)
+
+
+def test_fedopt_keeps_its_moments_through_a_round_without_quorum():
+    strategy = FedAdam(lr=0.1, eta=1.0, beta1=0.5, beta2=0.75, tau=1.0)
+    w = np.full(2, 2.0, np.float32)
+    w = strategy.run_round(Phases([reply(w + np.array([1, -1], np.float32), 10)]), w, 1)
+    assert strategy.run_round(Phases(None), w, 2) is None
+    w = strategy.run_round(Phases([reply(w + np.array([3, 0], np.float32), 10)]), w, 3)
+    np.testing.assert_allclose(w, [2.25 + 1.75 / (math.sqrt(3) + 1), 1.75 - 0.25 / (math.sqrt(0.75) + 1)],
+                               atol=1e-6)
+
+
+def test_fedopt_averages_by_sample_counts_before_its_step():
+    """Two clients: Delta = (600 [4, 0] + 200 [0, 8]) / 800 = [3, 2]; one round with beta1 = 0,
+    beta2 = 0, tau = 1, eta = 1 is w + Delta / (|Delta| + 1)."""
+    strategy = FedAdam(lr=0.1, eta=1.0, beta1=0.0, beta2=0.0, tau=1.0)
+    w = np.zeros(2, np.float32)
+    new = strategy.run_round(Phases([reply([4, 0], 600), reply([0, 8], 200)]), w, 1)
+    np.testing.assert_allclose(new, [3 / 4, 2 / 3], atol=1e-6)

@@ -278,3 +278,25 @@ def test_svrg_fast_mlp_path_equals_the_autograd_path():
                                           stepsize=4.0, generator=torch.Generator().manual_seed(3)))
     np.testing.assert_allclose(results[0].weights, results[1].weights, rtol=0, atol=1e-5)
     assert results[0].train_loss == pytest.approx(results[1].train_loss, rel=1e-5)
+
+
+def test_fedprox_term_pulls_each_step_toward_the_start_by_lr_mu():
+    """Two steps (E = 1, B = n/2) from w0. Step one: w - w0 = 0, so the proximal term adds
+    nothing and w1 is plain SGD's. Step two: the gradient gains mu (w1 - w0), so
+    w2_prox - w2_plain = -lr mu (w1 - w0), whatever the data term is."""
+    images, labels = _random_data(20, seed=5)
+    lr, mu = 0.1, 0.5
+    start = models.get_flat(models.build("2nn", seed=2))
+
+    def train(images, labels, batch_size, prox_mu, seed=9):
+        model = models.build("2nn")
+        models.set_flat(model, start)
+        return client_update(model, images, labels, epochs=1, batch_size=batch_size, lr=lr,
+                             generator=torch.Generator().manual_seed(seed), prox_mu=prox_mu).weights
+
+    assert np.array_equal(train(images, labels, 20, mu), train(images, labels, 20, 0.0))  # one step, at w0
+    first_half = torch.randperm(20, generator=torch.Generator().manual_seed(9))[:10].numpy()
+    w1 = train(images[first_half], labels[first_half], 10, 0.0)  # the two-step runs' first step
+    w2_plain, w2_prox = train(images, labels, 10, 0.0), train(images, labels, 10, mu)
+    np.testing.assert_allclose(w2_prox - w2_plain, -lr * mu * (w1 - start), atol=2e-7)
+    assert np.abs(w2_prox - w2_plain).max() > 1e-4  # the term did something

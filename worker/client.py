@@ -219,13 +219,14 @@ class Client(Behaviour):
                 model, images, labels, codec=codec_for(self.model_name, request.compression, model),
                 seed=update_seed(request.seed, request.round, self.client_id), epochs=request.epochs,
                 batch_size=request.batch_size, lr=request.lr, generator=generator,
-                lr_decay=request.lr_decay, start_iteration=self.iterations)
+                lr_decay=request.lr_decay, start_iteration=self.iterations, prox_mu=request.prox_mu)
             self.iterations += result.steps
             update, encoded, loss = None, result.encoded, result.train_loss
         elif request.task == TRAIN:
             result = training.client_update(
                 model, images, labels, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
-                generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations)
+                generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations,
+                prox_mu=request.prox_mu)
             self.iterations += result.steps
             update, loss = result.weights, result.train_loss
         elif request.task == GRADIENT:
@@ -331,7 +332,7 @@ class Client(Behaviour):
         start = self._async
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
         measured_s, cpu_s = self._measured
-        if start.rule == "coop":  # Algorithm 3, line 6: ask the server's age first
+        if start.asks_age:  # CO-OP, Algorithm 3, line 6: ask the server's age first
             _, hold = self._times(slowdown, measured_s, cpu_s)
             self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
@@ -379,7 +380,7 @@ class Client(Behaviour):
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
         compression every rule sends the delta from the base, encoded: sketching weights
         themselves would be meaningless, and the server holds the base to add it back."""
-        is_delta = self._async.rule == "fedbuff"
+        is_delta = self._async.uploads_delta
         codec = self._codec(model)
         update, encoded = None, None
         if codec is not None:

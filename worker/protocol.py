@@ -26,6 +26,7 @@ class TrainRequest:
     lr_decay: float = 0.0  # Keras-style, per local iteration over the client's life
     full_gradient: np.ndarray | None = None  # SVRG: grad f(w_t) from phase 1
     compression: dict | None = None  # TRAIN: send the update encoded (CompressionSpec.to_dict())
+    prox_mu: float = 0.0  # TRAIN: add FedProx's proximal term mu/2 ||w - weights||^2 to the local objective
 
 
 @message
@@ -71,7 +72,7 @@ OVER_ACTIVE = ("retrain", "continue")
 class AsyncStart:
     """Start training asynchronously from ``weights``; the client loops on its own."""
 
-    rule: str  # "coop" | "fedasync" | "fedbuff"
+    rule: str  # the algorithm's name, for the client's log
     weights: np.ndarray
     age: int  # the client's initial age a_k (CO-OP: 0) or model version
     epochs: int
@@ -82,6 +83,8 @@ class AsyncStart:
     b_l: int = 0  # CO-OP age filter
     b_u: int = 0
     over_active: str = ""  # CO-OP: what a client does when a - a_k < b_l (OVER_ACTIVE)
+    asks_age: bool = False  # apply the age filter [b_l, b_u]: ask the server's age before uploading (CO-OP)
+    uploads_delta: bool = False  # upload w_k minus the model trained from, not w_k (FedBuff)
     compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
     model: int = 0  # the server's number for this model (its count of models sent to this client)
     retry_s: float = 0.0  # emulated seconds without a reply before a request is resent; 0: never

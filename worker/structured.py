@@ -64,6 +64,7 @@ def compressed_client_update(
     generator: torch.Generator,
     lr_decay: float = 0.0,
     start_iteration: int = 0,
+    prox_mu: float = 0.0,
 ) -> CompressedResult:
     """Train from the weights ``model`` holds (w_global) and return the encoded update.
 
@@ -76,12 +77,14 @@ def compressed_client_update(
     if not codec.structured:
         result = client_update(model, images_u8, labels, epochs=epochs, batch_size=batch_size,
                                lr=lr, generator=generator, lr_decay=lr_decay,
-                               start_iteration=start_iteration)
+                               start_iteration=start_iteration, prox_mu=prox_mu)
         delta = result.weights - start_weights
         started = time.perf_counter()
         encoded = codec.encode(delta, seed)
         return CompressedResult(encoded, delta, result.num_samples, result.train_loss, result.steps,
                                 time.perf_counter() - started)
+    if prox_mu:  # config.py refuses FedProx with structured updates
+        raise ValueError("a structured update has no proximal term; use sketched compression with FedProx")
     return _restricted_update(model, images_u8, labels, codec, seed, start_weights,
                               epochs, batch_size, lr, generator, lr_decay, start_iteration)
 

@@ -152,6 +152,7 @@ def client_update(
     generator: torch.Generator,
     lr_decay: float = 0.0,
     start_iteration: int = 0,
+    prox_mu: float = 0.0,
 ) -> TrainResult:
     """Run E epochs of minibatch SGD on the local data, starting from ``model``.
 
@@ -162,18 +163,34 @@ def client_update(
 
     ``lr_decay`` is Keras' time-based decay, as Nilsson et al. used it: step i (counted
     over the client's life, from ``start_iteration``) uses lr / (1 + lr_decay * i).
+
+    ``prox_mu`` > 0 adds FedProx's proximal term mu/2 ||w - w_start||^2 to the objective:
+    mu (w - w_start) joins every gradient (the reported loss is the data term alone).
     """
     count, batch, inputs, targets = _prepared(images_u8, labels, epochs, batch_size)
     model.train()
-    steps, epoch_losses = sgd_epochs(model, model.parameters(), inputs, targets, batch=batch, epochs=epochs,
+    params = list(model.parameters())
+    steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
                                      lr=lr, generator=generator, lr_decay=lr_decay,
-                                     start_iteration=start_iteration)
+                                     start_iteration=start_iteration,
+                                     after_backward=_proximal_term(params, prox_mu) if prox_mu else None)
     return TrainResult(
         weights=get_flat(model),
         num_samples=count,
         train_loss=float(np.mean(epoch_losses)),
         steps=steps,
     )
+
+
+def _proximal_term(params: list[torch.Tensor], mu: float) -> Callable[[], None]:
+    """Adds mu (w - w_start) to each gradient: FedProx's term mu/2 ||w - w_start||^2."""
+    start = [p.detach().clone() for p in params]
+
+    def add() -> None:
+        for p, p0 in zip(params, start):
+            p.grad.add_(p.detach() - p0, alpha=mu)
+
+    return add
 
 
 def local_gradient(

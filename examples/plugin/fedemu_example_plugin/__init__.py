@@ -1,0 +1,1 @@
+"""An example fedemu plug-in (see algorithms.py)."""

@@ -1,0 +1,160 @@
+"""Algorithms: what each one declares, and the registry that finds one by its name.
+
+An algorithm is one class in one module. A round-based one subclasses
+``strategies.Strategy`` (the round engine calls its ``run_round`` once a round); an
+asynchronous one subclasses ``async_rules.AsyncRule`` (the asynchronous engine calls
+its ``merge`` for each upload). Beside its rule, the class declares:
+
+- ``name``, what ``algorithm.name`` says, and ``label``, what reports print;
+- ``options``: the ``algorithm.*`` keys it owns, each a ``Key`` with its default, type
+  and range (the keys every algorithm shares, such as lr, E and B, are in
+  ``launch/config.py``);
+- ``from_config``: the instance for a validated ``[algorithm]`` section;
+- ``findings``: configurations of it that can deadlock or never aggregate (``fedemu
+  check``; a blocking finding refuses the run);
+- ``check_config``: rules across sections (the centralised baseline needs one client);
+- ``uploads``: what a client uploads when it is not a model: ``[compression]`` encodes
+  models and their deltas only.
+
+``@register`` files a class under its name; the built-in algorithms use it as a user's
+would. ``get(name)`` returns a built-in, an installed plug-in (the ``fedemu.algorithms``
+entry-point group) or, for a name with a colon, ``package.module:Class``, imported on the
+spot: in the launcher when the config is validated and in the server node that runs it.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, ClassVar
+
+from fedemu.node.schema import Key
+
+ENTRY_POINT_GROUP = "fedemu.algorithms"
+# Imported on first lookup: each registers its algorithms.
+BUILT_IN_MODULES = ("fedemu.server.strategies", "fedemu.server.async_rules", "fedemu.server.fedprox",
+                    "fedemu.server.fedopt")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A static check's verdict on a configuration: it names the rule and the numbers."""
+
+    rule: str
+    message: str
+    blocking: bool  # refuse the run (unless the user accepted this risk, where allowed)
+    waivable_by: str | None = None  # the config key that accepts the risk
+
+
+class Algorithm:
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    title: ClassVar[str] = ""  # a longer name for messages; '' : the label
+    synchronous: ClassVar[bool] = True
+    options: ClassVar[dict[str, Key]] = {}
+    uploads: ClassVar[str] = ""  # '' : a model or its delta; otherwise what is uploaded instead
+
+    @classmethod
+    def from_config(cls, algorithm: dict[str, Any]) -> Algorithm:
+        raise NotImplementedError
+
+    @classmethod
+    def findings(cls, algorithm: dict[str, Any], clients: int) -> list[Finding]:
+        return []
+
+    @classmethod
+    def check_config(cls, config: dict[str, dict[str, Any]]) -> str | None:
+        """An error message if this algorithm cannot run with the rest of the config."""
+        return None
+
+
+class UnknownAlgorithm(ValueError):
+    pass
+
+
+_registry: dict[str, type[Algorithm]] = {}
+_built_ins_loaded = False
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: file ``cls`` under ``cls.name``. Another class under the same
+    name, or an option another algorithm declares differently, is refused: one key has
+    one meaning whichever algorithm a sweep runs."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    known = _registry.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"algorithm {cls.name!r} is registered already, by {known.__module__}.{known.__qualname__}")
+    for key, spec in cls.options.items():
+        for other in _registry.values():
+            if key in other.options and other.options[key] != spec and other is not cls:
+                raise ValueError(f"{cls.__qualname__} declares algorithm.{key} unlike {other.__qualname__} does; "
+                                 f"give the option its own name")
+    _registry[cls.name] = cls
+    return cls
+
+
+def _load_built_ins() -> None:
+    global _built_ins_loaded
+    if not _built_ins_loaded:
+        _built_ins_loaded = True
+        for module in BUILT_IN_MODULES:
+            importlib.import_module(module)
+
+
+def built_in() -> dict[str, type[Algorithm]]:
+    """Every algorithm fedemu ships, by name: module by module in BUILT_IN_MODULES' order,
+    each module's in the order it registers them (whatever imported what first)."""
+    _load_built_ins()
+    ours = [(name, cls) for name, cls in _registry.items() if cls.__module__ in BUILT_IN_MODULES and cls.name == name]
+    return dict(sorted(ours, key=lambda item: BUILT_IN_MODULES.index(item[1].__module__)))
+
+
+def get(name: str) -> type[Algorithm]:
+    _load_built_ins()
+    if name in _registry:
+        return _registry[name]
+    if ":" in name:
+        cls = _import(name)
+    else:
+        found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not found:
+            raise UnknownAlgorithm(
+                f"unknown algorithm {name!r}: fedemu has {', '.join(built_in())}; a plug-in is named "
+                f"'package.module:Class' or installed under the {ENTRY_POINT_GROUP!r} entry points")
+        cls = _load_entry_point(found[0])
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise UnknownAlgorithm(f"algorithm {name!r} is {cls!r}, not a subclass of fedemu's Strategy or AsyncRule")
+    register(cls)
+    _registry[name] = cls  # also under the name the config used
+    return cls
+
+
+def _import(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnknownAlgorithm(f"algorithm {spec!r}: cannot import {module_name!r} ({exc}); is the package "
+                               f"installed, or on PYTHONPATH, on this host?") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise UnknownAlgorithm(f"algorithm {spec!r}: module {module_name!r} has no {attr!r}") from None
+
+
+def _load_entry_point(entry_point: metadata.EntryPoint) -> Any:
+    try:
+        return entry_point.load()
+    except Exception as exc:
+        raise UnknownAlgorithm(f"algorithm {entry_point.name!r} (entry point {entry_point.value!r}) "
+                               f"failed to load: {type(exc).__name__}: {exc}") from None
+
+
+def all_options(extra: type[Algorithm] | None = None) -> dict[str, Key]:
+    """The algorithm.* keys of every built-in algorithm (and ``extra``'s): a config may
+    set any of them, so a sweep over algorithm.name can carry each one's options."""
+    keys: dict[str, Key] = {}
+    for cls in [*built_in().values(), *([extra] if extra else [])]:
+        keys.update(cls.options)
+    return keys
