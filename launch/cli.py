@@ -33,7 +33,8 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     with worker nodes on other machines (--machines / --hostfile)."""
     from fedemu.worker.data import DatasetError
 
-    from .local import LaunchError, launch as run_local
+    from .launcher import launch as run_local
+    from .rundir import LaunchError
 
     try:
         run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)

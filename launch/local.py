@@ -3,59 +3,18 @@ OS processes; show live progress; stop every one of them at the end or on Ctrl-C
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
 from fedemu.server.runlog import EVENTS, RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
 
 from . import config as configuration
-from .lifecycle import (STOP_SIGNALS, DirectoryInUse, DirLock, child_env, describe_exit, raise_on_stop_signals,
-                        restore_signals, stop_reason)
-
-
-class LaunchError(RuntimeError):
-    pass
-
-
-def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
-    """Create the run directory and lock it for this run: a second launch into the same
-    directory fails at once, naming the holder; one into a finished run's is refused."""
-    if out is not None:
-        run_dir = Path(out)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        algorithm = config["algorithm"]["name"].replace(":", "-")  # a plug-in's package.module:Class
-        name = f"{stamp}-{algorithm}-{config['data']['dataset']}-{config['model']['name']}"
-        run_dir = Path(config["run"]["out"]) / name
-        suffix = 1
-        while run_dir.exists():
-            suffix += 1
-            run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
-    try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        lock = DirLock(run_dir)
-    except DirectoryInUse as exc:
-        raise LaunchError(str(exc)) from None
-    except OSError as exc:
-        raise LaunchError(str(write_error(run_dir, exc))) from None
-    if (run_dir / EVENTS).exists():
-        lock.close()
-        raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
-    return run_dir, lock
-
-
-def write_run_file(path: Path, text: str) -> None:
-    """A file the launcher writes into the run directory; a write error names it."""
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise LaunchError(str(write_error(path, exc))) from None
+from .lifecycle import child_env, describe_exit, stop_reason
+from .rundir import LaunchError, write_run_file
 
 
 class LocalRun:
@@ -270,67 +229,3 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "end":
         return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
-
-
-def launch(config_path: str | None, overrides: list[str], out: str | None, workers: int | None,
-           echo: Callable[[str], None] = print, machines=None) -> tuple[Path, dict]:
-    """Run one configuration, on this machine or with worker nodes on ``machines``
-    (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary)."""
-    from fedemu.worker import data
-
-    config = configuration.load(config_path, overrides)
-    if workers is not None:
-        config["run"]["workers"] = workers
-    workers = config["run"]["workers"] or os.cpu_count() or 1
-    # SIGTERM and SIGHUP stop the run as Ctrl-C does, from here on.
-    previous = raise_on_stop_signals()
-    try:
-        run_dir, lock = make_run_dir(config, out)
-        try:
-            if machines is None:
-                run = LocalRun(config, run_dir, workers, echo)
-            else:
-                from .machines import MachinesRun
-
-                run = MachinesRun(config, run_dir, machines, echo,
-                                  default_slots=workers if config["run"]["workers"] else None)
-
-            def prepare() -> None:
-                write_run_file(run_dir / "config.toml", configuration.to_toml(config))
-                data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
-                echo(f"run directory: {run_dir}")
-
-            return run_dir, _run_to_end(run, echo, prepare)
-        finally:
-            lock.close()
-    finally:
-        restore_signals(previous)
-
-
-def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:
-    """Prepare, start and follow the run; any stop signal (or Ctrl-C) interrupts it in
-    order. Whatever ends it, its summary.json says how."""
-    from fedemu.worker.data import DatasetError
-
-    try:
-        prepare()
-        run.start()
-        summary = run.follow()
-    except (LaunchError, DatasetError) as exc:  # nothing ran: the run directory still says why
-        run.record_failure(str(exc))
-        raise
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        run.interrupted_by = signum
-        echo(f"{signal.Signals(signum).name}: stopping the run ...")
-        for sig in STOP_SIGNALS:  # a second signal must not cut the orderly stop short
-            signal.signal(sig, lambda *_: echo("still stopping the run ..."))
-        run.interrupt(signum)
-        try:
-            run.procs["server"].wait(30)
-        except (KeyError, subprocess.TimeoutExpired):
-            pass
-        summary = run.summary()
-    finally:
-        run.stop()
-    return summary

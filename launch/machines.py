@@ -31,7 +31,8 @@ from fedemu.worker.client import placement
 from .agent import code_digest, fedemu_version
 from .hosts import Host, ssh_argv
 from . import config as configuration
-from .local import LaunchError, LocalRun
+from .local import LocalRun
+from .rundir import LaunchError
 
 PREFLIGHT_TIMEOUT_S = 600  # a first fetch of the data set on a host may take minutes
 

@@ -370,7 +370,7 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
     """Run one configuration into ``run_dir`` and return its summary: on this machine with
     ``workers`` worker nodes, or with worker nodes on ``machines`` (``workers``: slots
     of a host without ``slots=``). What the launcher would print goes to logs/launch.out."""
-    from .local import make_run_dir
+    from .rundir import make_run_dir
 
     _, lock = make_run_dir(config, run_dir)
     try:
@@ -381,7 +381,8 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
 
 def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threading.Event,
                on_start: Callable[[list[int]], None] | None, machines: Machines | None) -> dict:
-    from .local import LaunchError, LocalRun, write_run_file
+    from .launcher import open_run
+    from .rundir import LaunchError, write_run_file
 
     try:
         write_run_file(run_dir / "config.toml", configuration.to_toml(config))
@@ -392,12 +393,7 @@ def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: thread
         with open(run_dir / "logs" / "launch.out", "a", encoding="utf-8") as log:
             log.write(line + "\n")
 
-    if machines is None:
-        run = LocalRun(config, run_dir, workers or 1, echo)
-    else:
-        from .machines import MachinesRun
-
-        run = MachinesRun(config, run_dir, machines, echo, default_slots=workers)
+    run = open_run(config, run_dir, workers or 1, echo, machines, default_slots=workers)
     try:
         try:
             run.start()

@@ -86,7 +86,8 @@ def test_a_hosts_nodes_split_that_hosts_cores_among_themselves():
 
 def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_path):
     from fedemu.launch import config as configuration
-    from fedemu.launch.local import LaunchError, LocalRun
+    from fedemu.launch.local import LocalRun
+    from fedemu.launch.rundir import LaunchError
 
     config = configuration.load(None)
     config["network"]["assign"] = [{"profile": "lte", "machine": "h2"}]

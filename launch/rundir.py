@@ -1,0 +1,49 @@
+"""The run directory: made and locked for one run, and the files the launcher writes
+into it. Every error names the path and what went wrong, before anything starts."""
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from fedemu.server.runlog import EVENTS, write_error
+
+from .lifecycle import DirectoryInUse, DirLock
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
+    """Create the run directory and lock it for this run: a second launch into the same
+    directory fails at once, naming the holder; one into a finished run's is refused."""
+    if out is not None:
+        run_dir = Path(out)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        algorithm = config["algorithm"]["name"].replace(":", "-")  # a plug-in's package.module:Class
+        name = f"{stamp}-{algorithm}-{config['data']['dataset']}-{config['model']['name']}"
+        run_dir = Path(config["run"]["out"]) / name
+        suffix = 1
+        while run_dir.exists():
+            suffix += 1
+            run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        lock = DirLock(run_dir)
+    except DirectoryInUse as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:
+        raise LaunchError(str(write_error(run_dir, exc))) from None
+    if (run_dir / EVENTS).exists():
+        lock.close()
+        raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
+    return run_dir, lock
+
+
+def write_run_file(path: Path, text: str) -> None:
+    """A file the launcher writes into the run directory; a write error names it."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise LaunchError(str(write_error(path, exc))) from None

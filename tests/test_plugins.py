@@ -1,0 +1,105 @@
+"""Plug-ins: an algorithm from outside fedemu, found by package.module:Class or by the
+fedemu.algorithms entry point, validated with its own options and run end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedemu.launch import config as configuration
+from fedemu.server import algorithm
+from fedemu.worker.protocol import TRAIN, TrainReply
+
+PLUGIN = Path(__file__).parent.parent / "examples" / "plugin"
+BY_PATH = "fedemu_example_plugin.algorithms:TrimmedMean"
+
+
+@pytest.fixture
+def plugin_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    # Each test finds the plug-in afresh, as a new process would.
+    monkeypatch.setattr(algorithm, "_registry", dict(algorithm._registry))
+    for name in ("trimmedmean", BY_PATH):
+        algorithm._registry.pop(name, None)
+
+
+def _entry_point_dir(tmp_path: Path) -> Path:
+    """What `pip install examples/plugin` leaves where Python looks for distributions: a
+    dist-info folder naming the entry point (importlib.metadata reads it from sys.path)."""
+    site = tmp_path / "site"
+    info = site / "fedemu_example_plugin-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fedemu-example-plugin\nVersion: 0.1.0\n")
+    declared = tomllib.loads((PLUGIN / "pyproject.toml").read_text())["project"]["entry-points"]
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+        for group, points in declared.items()))
+    return site
+
+
+def test_a_plugin_by_module_path_brings_its_options_and_their_checks(plugin_on_path):
+    config = configuration.load(None, [f"algorithm.name={BY_PATH}", "algorithm.trim=0.2"])
+    assert config["algorithm"]["trim"] == 0.2
+    assert configuration.load(None, [f"algorithm.name={BY_PATH}"])["algorithm"]["trim"] == 0.1  # its default
+    with pytest.raises(configuration.ConfigError, match=r"algorithm.trim = 0.5 is out of range; it must be in "
+                                                        r"\[0, 0.5\)"):
+        configuration.load(None, [f"algorithm.name={BY_PATH}", "algorithm.trim=0.5"])
+    with pytest.raises(configuration.ConfigError, match="unknown key algorithm.trim;"):  # not fedavg's option
+        configuration.load(None, ["algorithm.trim=0.2"])
+    with pytest.raises(configuration.ConfigError, match="algorithm.name: algorithm 'fedemu_example_plugin.nope:X': "
+                                                        "cannot import 'fedemu_example_plugin.nope'"):
+        configuration.load(None, ["algorithm.name=fedemu_example_plugin.nope:X"])
+
+
+def test_a_plugin_by_entry_point_name(plugin_on_path, monkeypatch, tmp_path):
+    with pytest.raises(algorithm.UnknownAlgorithm, match="unknown algorithm 'trimmedmean'"):
+        algorithm.get("trimmedmean")
+    monkeypatch.syspath_prepend(str(_entry_point_dir(tmp_path)))
+    cls = algorithm.get("trimmedmean")
+    assert cls.__module__ == "fedemu_example_plugin.algorithms" and cls.label == "Trimmed mean"
+    assert configuration.load(None, ["algorithm.name=trimmedmean"])["algorithm"]["trim"] == 0.1
+
+
+def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
+    """Five models, trim 0.2: drop the largest and the smallest value of each coordinate
+    and average the three left: [1, 2, 3, 100, -50] -> mean(1, 2, 3) = 2; [0, 0, 9, 9, 9] -> 6."""
+    cls = algorithm.get(BY_PATH)
+    columns = [[1, 2, 3, 100, -50], [0, 0, 9, 9, 9]]
+    replies = [TrainReply(round=1, client=k, task=TRAIN, update=np.array([a, b], np.float32), num_samples=10 * (k + 1),
+                          train_loss=0.0, compute_s=0.0) for k, (a, b) in enumerate(zip(*columns))]
+    calls = []
+
+    def run_phase(task, lr, **extra):
+        calls.append((task, lr, extra))
+        return replies
+
+    new = cls(lr=0.1, trim=0.2).run_round(run_phase, np.zeros(2, np.float32), 1)
+    np.testing.assert_allclose(new, [2.0, 6.0])
+    assert calls == [(TRAIN, 0.1, {"lr_decay": 0.0})]
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["module-path", "entry-point"])
+def test_a_plugin_runs_end_to_end_in_real_processes(how, tmp_path):
+    """The launcher validates the config and the server node imports the plug-in; both
+    find it the way a user's install would make it findable."""
+    paths = [str(PLUGIN)] + ([str(_entry_point_dir(tmp_path))] if how == "entry-point" else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
+    name = BY_PATH if how == "module-path" else "trimmedmean"
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "1",
+            "--set", f"algorithm.name={name}", "--set", "algorithm.trim=0.2", "--set", "data.clients=10",
+            "--set", "algorithm.C=0.5", "--set", "algorithm.B=50", "--set", "run.rounds=2",
+            "--set", "run.target_accuracy=0"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["algorithm"] == "trimmedmean" and summary["rounds"] == 2
+    assert summary["final_accuracy"] > 0.3  # chance is 0.1: the trimmed means learned
