@@ -182,8 +182,9 @@ def host_agent() -> None:
 
 
 # The study commands (issue 7) live in study_cli.py.
-from .study_cli import compare as _compare, report as _report, sweep as _sweep  # noqa: E402
+from .study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_report)
 main.add_command(_compare)
+main.add_command(_export)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import (ALGORITHM_KEY, REPEAT_KEYS, Run, _pyplot, _save, algorithm_label, flat, fmt, is_sweep,
-                     load_run, load_sweep, markdown_table, short)
+from .report import _pyplot, _save, algorithm_label, fmt, markdown_table, short
+from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_run, load_sweep
 
 
 class CompareError(ValueError):

@@ -8,6 +8,7 @@ and what it accepts, before anything starts.
 """
 from __future__ import annotations
 
+import copy
 import math
 import tomllib
 from importlib import resources
@@ -136,8 +137,9 @@ def _algorithm_options(config: dict) -> dict[str, Key]:
     return all_options(chosen)
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[str, Any]]:
-    """The resolved config: defaults, then the file, then ``--set`` overrides; validated."""
+def load(path: str | Path | None, overrides: list[str] = (), values: dict | None = None) -> dict[str, dict[str, Any]]:
+    """The resolved config: defaults, then the file, then ``values`` (sections as in a
+    file: ``{"algorithm": {"name": "fedprox"}}``), then ``--set`` overrides; validated."""
     config = default()
     if path is not None:
         path = Path(path)
@@ -148,6 +150,8 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> dict[str, dict[s
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         _merge(config, user, source=str(path))
+    if values is not None:
+        _merge(config, copy.deepcopy(values), source="the config given")
     for item in overrides:
         apply_override(config, item)
     validate(config)

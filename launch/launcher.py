@@ -28,12 +28,12 @@ def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], No
 
 
 def launch(config_path: str | None, overrides: list[str], out: str | None, workers: int | None,
-           echo: Callable[[str], None] = print, machines=None) -> tuple[Path, dict]:
+           echo: Callable[[str], None] = print, machines=None, values: dict | None = None) -> tuple[Path, dict]:
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary)."""
     from fedemu.worker import data
 
-    config = configuration.load(config_path, overrides)
+    config = configuration.load(config_path, overrides, values)
     if workers is not None:
         config["run"]["workers"] = workers
     workers = config["run"]["workers"] or os.cpu_count() or 1

@@ -1,162 +1,19 @@
-"""`fedemu report`: curves, time-to-accuracy, plots and Markdown tables from run
-directories and sweeps.
-
-Everything here reads only the run-directory contract (config.toml, events.jsonl,
-summary.json) and a sweep's SQLite index, so it works on runs still in progress (a
-missing summary is a running or killed run; a torn last event line is skipped).
-matplotlib is imported only when drawing, so the sweep runner can use the rest.
+"""`fedemu report`: figures and Markdown tables (curves, time to accuracy, final and best
+accuracy per condition) from run directories and sweeps, as ``results.py`` reads them.
+matplotlib is imported only when drawing.
 """
 from __future__ import annotations
 
 import json
 import math
-import sqlite3
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fedemu.server.runlog import EVENTS, SUMMARY, read_events
+from .results import (ALGORITHM_KEY, REPEAT_KEYS, X_AXES, ReportError, Run, SweepData, differing_keys, flat,
+                      is_sweep, load_run, load_sweep, time_to_target, times_to_target)
 
-# What a run curve can be drawn against: (attribute, axis label, file stem, what).
-X_AXES = (
-    ("rounds", "round (asynchronous rules: evaluation)", "rounds", "rounds"),
-    ("emulated_s", "emulated time since the first round began (s)", "emulated-time", "emulated time"),
-    ("mb_up", "uploaded by clients (MB, 10^6 bytes)", "uploaded", "bytes uploaded"),
-)
-# Axes whose values are repetitions, not conditions: averaged over in sweep figures.
-REPEAT_KEYS = ("run.seed", "data.fold")
-ALGORITHM_KEY = "algorithm.name"
-
-
-class ReportError(ValueError):
-    """A path that is neither a run nor a sweep, or nothing to report."""
-
-
-# --- curves and time to accuracy ------------------------------------------------------
-
-
-@dataclass
-class Curve:
-    """A run's evaluations. x values are cumulative at each evaluation: bytes count
-    every round, evaluated or not."""
-
-    rounds: np.ndarray
-    emulated_s: np.ndarray
-    mb_up: np.ndarray
-    accuracy: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.accuracy)
-
-
-def curve(events: list[dict], time_scale: float = 1.0) -> Curve:
-    rounds = [e for e in events if e.get("event") == "round"]
-    start = next((e for e in events if e.get("event") == "start"), None)
-    origin = 0.0
-    if start is not None and start.get("emulated_s") is not None:
-        origin = start["emulated_s"]  # the broker's clock when the run started (virtual time: 0)
-    elif rounds and rounds[0].get("emulated_s") is not None:
-        # Older logs: the broker's clock starts before the workers are up; the run's own
-        # clock (t) starts with the server. Emulated time counts from the start event, scaled.
-        first = rounds[0]
-        if start is not None:
-            origin = first["emulated_s"] - (first["t"] - start["t"]) * start.get("time_scale", time_scale)
-        else:
-            origin = first["emulated_s"] - first.get("round_s", 0.0) * time_scale
-    xs, mb = [], 0.0
-    for e in rounds:
-        mb += e.get("bytes_up", 0) / 1e6
-        if e.get("accuracy") is None:
-            continue
-        xs.append((e["round"], max(0.0, e.get("emulated_s", math.nan) - origin), mb, e["accuracy"]))
-    arr = np.array(xs, dtype=float).reshape(-1, 4)
-    return Curve(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
-
-
-def best_so_far(accuracy: np.ndarray) -> np.ndarray:
-    return np.maximum.accumulate(accuracy) if len(accuracy) else accuracy
-
-
-def time_to_target(x: np.ndarray, accuracy: np.ndarray, target: float) -> float | None:
-    """The x at which the best-so-far accuracy first reaches ``target``, interpolated
-    linearly between the evaluation before and the one that reached it (the papers'
-    rounds-to-accuracy). None if never reached; the first x if the first evaluation
-    already reached it (there is no earlier point to interpolate from)."""
-    best = best_so_far(np.asarray(accuracy, dtype=float))
-    x = np.asarray(x, dtype=float)
-    hit = np.flatnonzero(best >= target)
-    if not hit.size:
-        return None
-    i = int(hit[0])
-    if i == 0:
-        return float(x[0])
-    # best is monotone and best[i-1] < target <= best[i], so the slope is positive.
-    frac = (target - best[i - 1]) / (best[i] - best[i - 1])
-    return float(x[i - 1] + frac * (x[i] - x[i - 1]))
-
-
-def times_to_target(c: Curve, target: float) -> dict[str, float | None]:
-    return {attr: time_to_target(getattr(c, attr), c.accuracy, target) for attr, *_ in X_AXES}
-
-
-# --- runs -------------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    path: Path
-    config: dict
-    summary: dict | None
-    curve: Curve
-    params: dict = field(default_factory=dict)  # a sweep point's axis values
-
-    @property
-    def status(self) -> str:
-        if self.summary is not None:
-            return self.summary.get("status", "?")
-        return "running" if len(self.curve) else "started"
-
-    @property
-    def algorithm(self) -> str:
-        return self.config.get("algorithm", {}).get("name", "?")
-
-    def final_accuracy(self) -> float | None:
-        return float(self.curve.accuracy[-1]) if len(self.curve) else None
-
-    def best_accuracy(self) -> float | None:
-        return float(self.curve.accuracy.max()) if len(self.curve) else None
-
-
-def load_run(path: str | Path, params: dict | None = None) -> Run:
-    path = Path(path)
-    if not (path / "config.toml").exists():
-        raise ReportError(f"{path} is not a run directory (no config.toml)")
-    config = tomllib.loads((path / "config.toml").read_text())
-    summary = json.loads((path / SUMMARY).read_text()) if (path / SUMMARY).exists() else None
-    scale = config.get("run", {}).get("time_scale", 1.0)
-    events = read_events(path) if (path / EVENTS).exists() else []
-    return Run(path, config, summary, curve(events, scale), dict(params or {}))
-
-
-def flat(config: dict, prefix: str = "") -> dict:
-    """{"section.key": value} for every leaf of a config (tables of tables included)."""
-    out = {}
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def differing_keys(configs: list[dict]) -> list[str]:
-    """Config keys whose values are not the same in every config (in config order)."""
-    flats = [flat(c) for c in configs]
-    keys = list(dict.fromkeys(k for f in flats for k in f))
-    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir"}
-    return [k for k in keys if k not in ignore and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
 
 
 def fmt(value) -> str:
@@ -195,44 +52,6 @@ def algorithm_label(name: str) -> str:
 
 
 # --- sweeps -----------------------------------------------------------------------------
-
-
-@dataclass
-class SweepData:
-    path: Path
-    axes: list[str]          # axis keys in grid order
-    groups: list[list[str]]  # axes that move together ([[zip]]) share a group
-    target: float            # accuracy for time-to-target
-    runs: list[Run]          # points with a run directory
-    rows: list[dict]         # every row of the index
-
-    @property
-    def completed(self) -> list[Run]:
-        """Runs that finished: the only ones a final or time-to-target figure may use."""
-        return [r for r in self.runs if r.status == "completed"]
-
-
-def is_sweep(path: Path) -> bool:
-    return (path / "sweep.db").exists()
-
-
-def load_sweep(path: str | Path) -> SweepData:
-    path = Path(path)
-    db = sqlite3.connect(f"file:{path / 'sweep.db'}?mode=ro", uri=True)
-    db.row_factory = sqlite3.Row
-    try:
-        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-        rows = [dict(r) for r in db.execute("SELECT * FROM points WHERE current = 1 ORDER BY seq")]
-    finally:
-        db.close()
-    axes = json.loads(meta["axes"])
-    runs = []
-    for row in rows:
-        run_dir = path / row["run_dir"] if row["run_dir"] else None
-        if run_dir is not None and (run_dir / "config.toml").exists():
-            runs.append(load_run(run_dir, json.loads(row["params"])))
-    groups = json.loads(meta.get("groups", "null")) or [[a] for a in axes]
-    return SweepData(path, axes, groups, float(meta.get("target", 0) or 0), runs, rows)
 
 
 # --- figures ----------------------------------------------------------------------------

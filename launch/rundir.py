@@ -17,17 +17,7 @@ class LaunchError(RuntimeError):
 def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
     """Create the run directory and lock it for this run: a second launch into the same
     directory fails at once, naming the holder; one into a finished run's is refused."""
-    if out is not None:
-        run_dir = Path(out)
-    else:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        algorithm = config["algorithm"]["name"].replace(":", "-")  # a plug-in's package.module:Class
-        name = f"{stamp}-{algorithm}-{config['data']['dataset']}-{config['model']['name']}"
-        run_dir = Path(config["run"]["out"]) / name
-        suffix = 1
-        while run_dir.exists():
-            suffix += 1
-            run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
+    run_dir = Path(out) if out is not None else new_run_dir(config)
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         lock = DirLock(run_dir)
@@ -39,6 +29,19 @@ def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
         lock.close()
         raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
     return run_dir, lock
+
+
+def new_run_dir(config: dict) -> Path:
+    """``run.out``/<time>-<algorithm>-<data set>-<model>, with a suffix if that exists."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    algorithm = config["algorithm"]["name"].replace(":", "-")  # a plug-in's package.module:Class
+    name = f"{stamp}-{algorithm}-{config['data']['dataset']}-{config['model']['name']}"
+    run_dir = Path(config["run"]["out"]) / name
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(config["run"]["out"]) / f"{name}-{suffix}"
+    return run_dir
 
 
 def write_run_file(path: Path, text: str) -> None:

@@ -55,7 +55,8 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Figure formats, comma-separated.")
 def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str) -> None:
     """Plots and a Markdown table for runs (finished or not) and sweeps."""
-    from .report import ReportError, report as make_report
+    from .report import report as make_report
+    from .results import ReportError
 
     if target is not None and not 0 < target <= 1:
         raise click.ClickException(f"--target {target} must be an accuracy in (0, 1]")
@@ -84,7 +85,7 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
     """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps
     or run directories), paired by seed and fold, as Nilsson et al. 2018 did."""
     from .compare import CompareError, run
-    from .report import ReportError
+    from .results import ReportError
 
     try:
         text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out)
@@ -92,3 +93,22 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
         raise click.ClickException(str(exc)) from None
     click.echo(text)
     click.echo(f"\nposterior plots and compare.md: {folder}")
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True,
+              help="CSV file to write ('-': standard output).")
+def export(paths: tuple[str, ...], output: str) -> None:
+    """One tidy table of runs and sweeps: a CSV row per evaluation, with each run's path,
+    status, algorithm and the keys that vary between runs (a sweep's axes)."""
+    from .results import ReportError, evaluation_records, write_csv
+
+    try:
+        records = evaluation_records(list(paths))
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from None
+    with click.open_file(output, "w", encoding="utf-8") as out:
+        write_csv(records, out)
+    if output != "-":
+        click.echo(f"{len(records)} evaluations -> {output}", err=True)

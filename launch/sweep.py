@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import config as configuration
 from .lifecycle import DirectoryInUse, DirLock
-from .report import REPEAT_KEYS, curve, flat, fmt, times_to_target
+from .report import fmt
+from .results import REPEAT_KEYS, curve, flat, times_to_target
 
 if TYPE_CHECKING:
     from .machines import Machines

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedemu.launch import config as configuration
-from fedemu.launch import report
+from fedemu.launch import results
 from fedemu.launch.cli import main
 
 
@@ -55,29 +55,29 @@ def test_time_to_target_interpolates_on_the_best_so_far_curve():
     acc = np.array([0.50, 0.80, 0.70, 0.90, 0.95])
     # Best so far: 0.50 0.80 0.80 0.90 0.95. 0.85 lies halfway from 0.80 (x=3) to 0.90 (x=4);
     # interpolating on the raw curve would start from the dip at 0.70 and give 3.75.
-    assert report.time_to_target(x, acc, 0.85) == pytest.approx(3.5)
+    assert results.time_to_target(x, acc, 0.85) == pytest.approx(3.5)
     # 0.65: from (1, 0.50) to (2, 0.80), half way.
-    assert report.time_to_target(x, acc, 0.65) == pytest.approx(1.5)
-    assert report.time_to_target(x, acc, 0.90) == pytest.approx(4.0)  # reached exactly at a point
-    assert report.time_to_target(x, acc, 0.96) is None                 # never reached
-    assert report.time_to_target(x, acc, 0.40) == 1.0                  # already at the first evaluation
+    assert results.time_to_target(x, acc, 0.65) == pytest.approx(1.5)
+    assert results.time_to_target(x, acc, 0.90) == pytest.approx(4.0)  # reached exactly at a point
+    assert results.time_to_target(x, acc, 0.96) is None                 # never reached
+    assert results.time_to_target(x, acc, 0.40) == 1.0                  # already at the first evaluation
 
 
 def test_time_to_target_on_other_axes_uses_their_spacing():
     seconds = np.array([10.0, 30.0, 35.0])
     acc = np.array([0.6, 0.7, 0.9])
-    assert report.time_to_target(seconds, acc, 0.8) == pytest.approx(32.5)
-    assert report.time_to_target([], [], 0.5) is None
+    assert results.time_to_target(seconds, acc, 0.8) == pytest.approx(32.5)
+    assert results.time_to_target([], [], 0.5) is None
 
 
 def test_curve_counts_bytes_of_every_round_and_time_from_the_start(tmp_path):
-    run = report.load_run(make_run(tmp_path / "r", [0.5, None, 0.7, 0.9], time_scale=10.0))
+    run = results.load_run(make_run(tmp_path / "r", [0.5, None, 0.7, 0.9], time_scale=10.0))
     c = run.curve
     assert list(c.rounds) == [1, 3, 4]                      # round 2 was not evaluated ...
     assert list(c.mb_up) == pytest.approx([2.0, 6.0, 8.0])  # ... but its bytes count
     # Two emulated seconds per round, counted from the start event, not the broker's start.
     assert list(c.emulated_s) == pytest.approx([2.0, 6.0, 8.0])
-    tt = report.times_to_target(c, 0.8)
+    tt = results.times_to_target(c, 0.8)
     assert tt == pytest.approx({"rounds": 3.5, "emulated_s": 7.0, "mb_up": 7.0})
 
 
@@ -134,3 +134,32 @@ def test_report_on_a_sweep(tmp_path):
     svg = (out / "final-accuracy-vs-network-dropout-per-round.svg").read_text()
     assert "drop-out per round (probability)" in svg and "final test accuracy (%)" in svg
     assert "FedAvg" in svg and "FedSGD" in svg
+
+
+def test_export_writes_a_tidy_row_per_evaluation_with_the_swept_keys(tmp_path):
+    """A sweep of 8 points of 3 evaluations each, plus a loose run: 27 rows; the sweep's
+    axes are columns (the algorithm has its own), a loose run fills them from its config."""
+    import csv
+
+    from tests.test_sweep import fake_sweep
+
+    sweep_dir = fake_sweep(tmp_path)
+    loose = make_run(tmp_path / "loose", [0.5, 0.6, None], sets={"algorithm.lr": 0.3})
+    out = tmp_path / "table.csv"
+    result = CliRunner().invoke(main, ["export", str(sweep_dir), str(loose), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 8 * 3 + 2  # the loose run's unevaluated round is no row
+    assert list(rows[0])[:3] == ["run", "status", "algorithm"]
+    assert set(list(rows[0])[3:6]) == {"network.dropout.per_round", "run.seed", "algorithm.lr"}
+    by_run = {}
+    for row in rows:
+        by_run.setdefault(row["run"], []).append(row)
+    point = next(r for r in by_run.values() if r[0]["algorithm"] == "fedsgd" and r[0]["run.seed"] == "2")
+    assert [row["round"] for row in point] == ["1", "2", "3"] and point[0]["algorithm.lr"] == "0.11"
+    assert float(point[-1]["accuracy"]) == pytest.approx(0.8, abs=0.06)  # fake_accuracy's fedsgd level
+    assert [row["accuracy"] for row in by_run[str(loose)]] == ["0.5", "0.6"]
+    assert by_run[str(loose)][0]["algorithm.lr"] == "0.3" and by_run[str(loose)][0]["status"] == "completed"
+    # Emulated time counts from the run's start, as report's curves do.
+    assert float(by_run[str(loose)][0]["emulated_s"]) == pytest.approx(2.0)
+    assert CliRunner().invoke(main, ["export", str(tmp_path / "nothing-here")]).exit_code != 0
