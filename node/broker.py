@@ -42,7 +42,8 @@ from typing import Any, Iterable
 import msgpack
 import zmq
 
-from . import wire
+from . import control, wire
+from .control import QUIET_OPS, WORK_OPS
 from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
 from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler, pending_monitor_events
 from .vclock import VirtualScheduler, sender_of
@@ -64,12 +65,6 @@ _unpackb = msgpack.unpackb
 # or a bad clock estimate, and must not let a message skip most of its delay.
 MAX_SEND_AGE_S = 1.0
 
-# Broker-to-node messages that carry work for a node's processes: in virtual time the
-# broker counts them per node, and a node's idle report must have seen them all.
-RELAYED_OPS = frozenset({"monitor", "demonitor", "down"})  # between nodes, through here
-WORK_OPS = RELAYED_OPS | {"advance", "availability", "offline", "node_down", "stalled"}
-# Messages from a node that do not make it busy in virtual time's books.
-_QUIET_OPS = frozenset({"hb", "idle", "hello", "bye"})
 CLOCKS = ("wall", "virtual")
 
 
@@ -580,9 +575,10 @@ class Broker:
 
     def _control(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
         body = wire.unpack_body(msg[1].buffer, msg[2:])
-        if not isinstance(body, dict) or not isinstance(body.get("op"), str):
-            raise WireError("control body is not a map with an 'op'")
-        op = body["op"]
+        try:
+            op = control.check(body, control.BROKER)
+        except control.ControlError as exc:
+            raise WireError(str(exc)) from None
         src = header.src
         if op == "hello":
             if known:
@@ -605,7 +601,7 @@ class Broker:
             self._drop("unknown-node", f"{op!r} from {src.node!r} before hello")
             self._send_ctl(identity, src, {"op": "unknown_node"})
             return
-        if self.scheduler is not None and op not in _QUIET_OPS:
+        if self.scheduler is not None and op not in QUIET_OPS:
             self.scheduler.heard(src.node)
         if op == "idle":
             if self.scheduler is None:
@@ -670,8 +666,6 @@ class Broker:
             self._running = False
         elif op == "bye":
             self._forget(src.node, reason=None)
-        else:
-            raise WireError(f"unknown control op {op!r}")
 
     def _unregister(self, node: str, names: list, pid: Pid | None) -> None:
         """Names of an ended process: only while they still name it. In virtual time its

@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 import zmq
 
 from . import wire
-from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID, RELAYED_OPS, WORK_OPS
+from . import control
+from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
+from .control import RELAYED_OPS, WORK_OPS
 from .clock import TimerRef, VirtualClock, WallClock, WallTimers
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
 from .wire import CTL, USER, Hold, Pid, WireError, message
@@ -55,9 +57,6 @@ CLOCK_SAMPLES = 16
 # The welcome's round trip includes the TCP connect (and CURVE handshake): a few quick
 # heartbeats right after it give a good clock offset before the first message.
 QUICK_SYNC_BEATS, QUICK_SYNC_INTERVAL = 5, 0.01
-# Control ops only the broker may send; from anyone else they are spoofed.
-_BROKER_OPS = frozenset({"welcome", "hb", "reply", "node_down", "shutdown", "unknown_node", "offline",
-                         "register_failed", "availability", "advance", "stalled"})
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -1002,11 +1001,11 @@ class Node:
                 self._count_work(in_batch=True)
         else:
             self._hand_over()  # what came before a control message (a DOWN) is delivered before it
-            if not isinstance(body, dict) or not isinstance(body.get("op"), str):
-                self._drop("malformed", f"control message {body!r} is not a map with an 'op'")
-                return
-            if body["op"] in _BROKER_OPS and header.src.node != BROKER_NODE:
-                self._drop("spoofed", f"control {body['op']!r} from {header.src}, not the broker")
+            try:
+                control.check(body, control.NODE, from_broker=header.src.node == BROKER_NODE)
+            except control.ControlError as exc:
+                self._drop("spoofed" if "from the broker only" in str(exc) else "malformed",
+                           f"{exc} (from {header.src})")
                 return
             try:
                 self._control(header, body)
@@ -1220,8 +1219,6 @@ class Node:
             # The broker declared this node lost: everyone has seen our processes as
             # DOWN, so living on would break the semantics the others rely on.
             self._lose_broker("the broker no longer knows this node")
-        else:
-            self._drop("malformed", f"unknown control op {op!r}")
 
     def _drop(self, reason: str, detail: str) -> None:
         self.dropped[reason] += 1

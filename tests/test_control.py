@@ -1,0 +1,35 @@
+"""The control protocol's one table (node/control.py): what each side accepts, and that
+every op the code sends is in it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fedemu.node import control
+
+NODE_DIR = Path(__file__).parent.parent / "node"
+
+
+def test_check_names_what_is_wrong():
+    assert control.check({"op": "whereis", "name": "server", "ref": 3}, control.BROKER) == "whereis"
+    with pytest.raises(control.ControlError, match="is not a map with an 'op'"):
+        control.check(["op", "hb"], control.BROKER)
+    with pytest.raises(control.ControlError, match="unknown control op 'advance' for a broker"):
+        control.check({"op": "advance", "now": 1.0, "count": 0}, control.BROKER)  # a node's op, not the broker's
+    with pytest.raises(control.ControlError, match="control 'whereis' lacks ref"):
+        control.check({"op": "whereis", "name": "server"}, control.BROKER)
+    with pytest.raises(control.ControlError, match="control 'shutdown' comes from the broker only"):
+        control.check({"op": "shutdown"}, control.NODE, from_broker=False)
+    assert control.check({"op": "monitor", "ref": 1, "watcher": None, "target": 2}, control.NODE,
+                         from_broker=False) == "monitor"  # relayed between nodes
+
+
+def test_every_op_the_runtime_and_broker_send_is_in_the_table():
+    sent = set()
+    for path in NODE_DIR.glob("*.py"):
+        sent |= set(re.findall(r'"op": "([a-z_]+)"', path.read_text()))
+    tabled = {name for _, name in control.OPS}
+    assert len(sent) >= 25 and sent <= tabled, sorted(sent - tabled)
+    assert tabled - sent == set()  # and the table lists nothing nobody sends
