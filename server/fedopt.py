@@ -50,11 +50,6 @@ class FedOpt(Strategy):
         self.m: np.ndarray | None = None
         self.v: np.ndarray | None = None
 
-    @classmethod
-    def from_config(cls, algorithm):
-        return cls(algorithm["lr"], algorithm["lr_decay"], algorithm["eta"], algorithm["beta1"],
-                   algorithm["beta2"], algorithm["tau"])
-
     def second_moment(self, v: np.ndarray, delta_squared: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 

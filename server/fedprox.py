@@ -29,10 +29,6 @@ class FedProx(FedAvg):
         self.mu = mu
 
     @classmethod
-    def from_config(cls, algorithm):
-        return cls(algorithm["lr"], algorithm["lr_decay"], algorithm["mu"])
-
-    @classmethod
     def check_config(cls, config):
         structured = config.get("compression", {}).get("structured", "none")
         if structured != "none":

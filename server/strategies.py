@@ -54,7 +54,8 @@ class Strategy(Algorithm):
 
     @classmethod
     def from_config(cls, algorithm):
-        return cls(algorithm["lr"], algorithm["lr_decay"])
+        """lr, lr_decay, and each of the class's options as the keyword of that name."""
+        return cls(algorithm["lr"], algorithm["lr_decay"], **{key: algorithm[key] for key in cls.options})
 
     def run_round(self, run_phase: RunPhase, weights: np.ndarray, round_: int) -> np.ndarray | None:
         """One round; the new global model, or None if the round could not aggregate."""
@@ -116,10 +117,6 @@ class FSVRG(Strategy):
     def __init__(self, lr: float, lr_decay: float = 0.0, h: float = 4.0) -> None:
         super().__init__(lr, lr_decay)
         self.h = h
-
-    @classmethod
-    def from_config(cls, algorithm):
-        return cls(algorithm["lr"], algorithm["lr_decay"], algorithm["h"])
 
     def run_round(self, run_phase, weights, round_):
         gradients = run_phase(GRADIENT, 0.0)

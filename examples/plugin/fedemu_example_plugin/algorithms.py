@@ -28,10 +28,6 @@ class TrimmedMean(Strategy):
         super().__init__(lr, lr_decay)
         self.trim = trim
 
-    @classmethod
-    def from_config(cls, algorithm):
-        return cls(algorithm["lr"], algorithm["lr_decay"], algorithm["trim"])
-
     def run_round(self, run_phase, weights, round_):
         replies = run_phase(TRAIN, self.lr, lr_decay=self.lr_decay)
         if replies is None:
