@@ -35,7 +35,6 @@ import time
 import numpy as np
 
 from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
-from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.data import Dataset
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
                                     WorkerReady, retry_wait)
@@ -58,8 +57,6 @@ class AsyncEngine(Engine):
         self.age = rule.server_age_start()
         self.ages: dict[int, int] = {}  # a_k as the server last set it
         self.doing: dict[int, str] = {}  # what each client was last seen doing, for diagnostics
-        self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
-                      if settings.compression else None)
         self.sent: dict[int, int] = {}  # models sent to each client: an upload's `base` must match
         # With compression, CO-OP and FedAsync clients send the delta from the last model
         # they received; the server keeps that model (a reference: the global model is
@@ -283,18 +280,14 @@ class AsyncEngine(Engine):
         FedBuff, base + delta for the rules that merge weights. The seed is the one the
         client used, from (run seed, base, client)."""
         k = upload.client
-        try:
-            if self.codec is None:
-                raise ValueError("this run does not compress, but the update is encoded")
-            if upload.base != self.sent.get(k):
-                raise ValueError(f"it was trained from model #{upload.base} from the server, "
-                                 f"which sent this client {self.sent.get(k, 0)}: its base is unknown")
-            if not upload.is_delta and k not in self.bases:
-                raise ValueError("the client was lost and its base dropped")
-            delta = self.codec.decode(upload.encoded, update_seed(self.settings.seed, upload.base, k))
-        except ValueError as exc:
-            log.error("client %d sent an update that does not decode: %s", k, exc)
-            self.runlog.event("fault", round=evaluation, client=k, reason=f"undecodable update: {exc}")
+        unknown_base = None
+        if upload.base != self.sent.get(k):
+            unknown_base = (f"it was trained from model #{upload.base} from the server, which sent this client "
+                            f"{self.sent.get(k, 0)}: its base is unknown")
+        elif not upload.is_delta and k not in self.bases:
+            unknown_base = "the client was lost and its base dropped"
+        delta = self._decoded_delta(upload.encoded, upload.base, k, evaluation, unusable=unknown_base)
+        if delta is None:
             return False
         upload.update = delta if upload.is_delta else (self.bases[k] + delta).astype(np.float32)
         upload.encoded = None

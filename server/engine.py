@@ -102,6 +102,8 @@ class Engine:
         self.model = models.build(model_name, seed=settings.seed, init=settings.model_init,
                                   init_std=settings.model_init_std)
         self.weights = models.get_flat(self.model)
+        self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
+                      if settings.compression else None)
         self.dataset = dataset
         self.runlog = runlog
         self.pids: dict[int, Pid] = {}
@@ -111,6 +113,22 @@ class Engine:
         self._started = time.monotonic()  # wall
         self._clock_started: float | None = None  # emulated time when the run's clock started
         self._traffic: dict | None = None
+
+    def _decoded_delta(self, encoded: dict, seed_index: int, client: int, event_round: int,
+                       unusable: str | None = None) -> np.ndarray | None:
+        """An encoded update's delta, decoded with the seed the client encoded it with
+        (run seed, ``seed_index``, client); None, after a ``fault`` event, if it does not
+        decode or the caller found it ``unusable`` (the reason)."""
+        try:
+            if self.codec is None:
+                raise ValueError("this run does not compress, but the update is encoded")
+            if unusable:
+                raise ValueError(unusable)
+            return self.codec.decode(encoded, update_seed(self.settings.seed, seed_index, client))
+        except ValueError as exc:
+            log.error("client %d sent an update that does not decode: %s", client, exc)
+            self.runlog.event("fault", round=event_round, client=client, reason=f"undecodable update: {exc}")
+            return None
 
     # --- the server process ---------------------------------------------------------
 
@@ -301,8 +319,6 @@ class RoundEngine(Engine):
         super().__init__(settings, model_name, dataset, runlog)
         self.strategy = strategy
         self.algorithm = strategy.name
-        self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
-                      if settings.compression else None)
         self.over_select, self.on_quorum_missed = settings.over_select, settings.on_quorum_missed
         if self.on_quorum_missed not in QUORUM_POLICIES:
             raise ValueError(f"on_quorum_missed = {self.on_quorum_missed!r}; use {' or '.join(QUORUM_POLICIES)}")
@@ -429,11 +445,8 @@ class RoundEngine(Engine):
     def _decode(self, reply: TrainReply, round_: int) -> bool:
         """Turn an encoded delta into the client's weights (w_t + delta), in place.
         The mask, basis or rotation comes from the same (seed, round, client) seed."""
-        try:
-            delta = self.codec.decode(reply.encoded, update_seed(self.settings.seed, round_, reply.client))
-        except ValueError as exc:
-            log.error("client %d sent an update that does not decode: %s", reply.client, exc)
-            self.runlog.event("fault", round=round_, client=reply.client, reason=f"undecodable update: {exc}")
+        delta = self._decoded_delta(reply.encoded, round_, reply.client, round_)
+        if delta is None:
             return False
         reply.update = self.weights + delta
         return True
