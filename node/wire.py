@@ -116,7 +116,7 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     if len(frame) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        fields = msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
+        fields = _unpack_fields(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"header is not msgpack: {exc}") from None
     if not isinstance(fields, list) or not 6 <= len(fields) <= 7:
@@ -132,6 +132,32 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         raise WireError("header destination is not (str, int|str)")
     timing = _timing(fields[6]) if len(fields) == 7 else None
     return Header(kind, Pid(src_node, src_id), dst_node, dst, timing)
+
+
+def user_fields(frame: bytes, sender: str) -> list | None:
+    """The header fields of a well-formed USER message from node ``sender`` whose timing
+    is none or a send time: the broker's fast path (nearly all traffic), the same checks
+    as ``unpack_header`` without building a Header. None for anything else, which
+    ``unpack_header`` then names."""
+    if len(frame) > MAX_HEADER_BYTES:
+        return None
+    try:
+        fields = _unpack_fields(frame)
+    except Exception:
+        return None
+    if type(fields) is not list or not 6 <= len(fields) <= 7:
+        return None
+    version, kind, src_node, src_id, dst_node, dst = fields[:6]
+    sent = fields[6] if len(fields) == 7 else None
+    if (kind == USER and version == VERSION and src_node == sender and type(src_id) is int
+            and type(dst_node) is str and (type(dst) is int or type(dst) is str)
+            and (sent is None or (type(sent) is float and math.isfinite(sent)))):
+        return fields
+    return None
+
+
+def _unpack_fields(frame: bytes) -> Any:
+    return msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
 
 
 def _timing(value: Any) -> float | Hold | None:

@@ -90,3 +90,23 @@ def test_size_limit():
     frames = wire.encode(wire.USER, SRC, DST, np.zeros(1000, np.uint8))
     with pytest.raises(WireError, match="exceeds the limit of 500"):
         wire.decode(frames, max_bytes=500)
+
+
+def test_the_brokers_fast_check_takes_exactly_the_well_formed_user_headers():
+    """wire.user_fields is the fast path's check: what it refuses goes to unpack_header,
+    which names the fault; it never takes what unpack_header would refuse."""
+    import math
+
+    from fedemu.node.wire import CTL, USER, VERSION, WireError, unpack_header, user_fields
+
+    good = [VERSION, USER, "n1", 3, "n2", 4]
+    assert user_fields(msgpack.packb(good), "n1") == good
+    assert user_fields(msgpack.packb(good + [12.5]), "n1") == good + [12.5]
+    for bad, sender in [(good, "n2"),                                  # another node's name
+                        ([VERSION, CTL, "n1", 3, "n2", 4], "n1"),       # control: the slow path
+                        ([VERSION, USER, "n1", 3, "n2", True], "n1"),   # bool is no destination
+                        (good + [math.inf], "n1"), (good + [math.nan], "n1")]:
+        assert user_fields(msgpack.packb(bad), sender) is None
+    with pytest.raises(WireError, match="header timing inf"):
+        unpack_header(msgpack.packb(good + [math.inf]))
+    assert user_fields(b"\xc1", "n1") is None and user_fields(b"x" * 10_000, "n1") is None
