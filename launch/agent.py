@@ -70,7 +70,8 @@ def _reachable(address: str, port: int, timeout: float = 5.0) -> str | None:
         return exc.strerror or str(exc)
 
 
-def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None) -> dict:
+def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
+              model: str | None = None) -> dict:
     report: dict = {"fedemu": fedemu_version(), "code": code_digest(), "python": sys.version.split()[0],
                     "executable": sys.executable, "cores": os.cpu_count() or 1, "problems": []}
     try:
@@ -79,8 +80,13 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         report["torch"] = torch.__version__
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
-    from fedemu.worker import data
+    from fedemu.worker import data, models
 
+    if model is not None:  # worker nodes build it: a plug-in must be importable here too
+        try:
+            models.build(model, seed=0)
+        except Exception as exc:
+            report["problems"].append(f"cannot build model {model!r} here: {exc}")
     try:
         # Quiet: the preflight's stdout is one JSON line; fetching shows nothing.
         report["dataset"] = str(data.fetch(dataset, cache_dir or None, progress=lambda _: None))

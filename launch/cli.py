@@ -166,11 +166,13 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
 @click.option("--cache-dir")
 @click.option("--broker-port", type=int)
 @click.option("--broker-address")
-def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None) -> None:
+@click.option("--model", help="model.name: this host must be able to build it (a plug-in must be importable).")
+def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
+              model: str | None) -> None:
     """Check this host for a multi-machine run; print one JSON line (run over SSH)."""
     from .agent import preflight as check_host
 
-    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address)))
+    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model)))
 
 
 @main.command("host-agent", hidden=True)

@@ -67,7 +67,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "fold": Key(int, "the fold held out as the test set when data.folds >= 2", check=non_negative, rule=">= 0"),
     },
     "model": {
-        "name": Key(str, "model", choices=("2nn", "cnn")),
+        "name": Key(str, "model: '2nn' or 'cnn' (McMahan et al.), an installed plug-in's name, or "
+                    "'package.module:function' (a builder(input_shape, num_classes))"),
         "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults, or every weight "
                     "and bias from N(0, init_std^2) (Nilsson et al.)", choices=("torch", "normal")),
         "init_std": Key(float, "standard deviation of init = 'normal'", check=positive, rule="> 0"),
@@ -246,6 +247,7 @@ def validate(config: dict) -> None:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
+    _check_model(config["model"]["name"])
     refusal = algorithm.check_config(config)
     if refusal:
         raise ConfigError(refusal)
@@ -268,6 +270,15 @@ def validate(config: dict) -> None:
                and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
     if refused:
         raise ConfigError("; ".join(refused))
+
+
+def _check_model(name: str) -> None:
+    from fedemu.worker import models  # (torch: a plug-in's builder is imported to be checked)
+
+    try:
+        models.builder(name)
+    except models.UnknownModel as exc:
+        raise ConfigError(f"model.name: {exc}") from None
 
 
 def findings(config: dict) -> list:

@@ -67,10 +67,13 @@ def _json_line(text: str) -> dict | None:
     return None
 
 
-def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str, broker_port: int) -> dict:
+def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str, broker_port: int,
+                   model: str | None = None) -> dict:
     """Run the preflight on ``host``; returns its report with ``problems`` filled in."""
     python = machines.python_for(host)
     remote = [python, "-m", "fedemu.launch", "preflight", "--dataset", dataset, "--broker-port", str(broker_port)]
+    if model:
+        remote += ["--model", model]
     if cache_dir:
         remote += ["--cache-dir", cache_dir]
     if machines.advertise:
@@ -271,7 +274,7 @@ class MachinesRun(LocalRun):
         self.echo(f"preflight on {len(hosts)} host(s) ...")
         with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
             futures = {h: pool.submit(preflight_host, self.machines, h, data["dataset"], data["cache_dir"],
-                                      broker_port) for h in hosts}
+                                      broker_port, self.config["model"]["name"]) for h in hosts}
             reports = {h: f.result() for h, f in futures.items()}
         failures = [f"  {h}: {problem}" for h, r in reports.items() for problem in r["problems"]]
         if failures:

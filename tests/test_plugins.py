@@ -1,5 +1,6 @@
-"""Plug-ins: an algorithm from outside fedemu, found by package.module:Class or by the
-fedemu.algorithms entry point, validated with its own options and run end to end."""
+"""Plug-ins: an algorithm and a model from outside fedemu, found by package.module:attr or
+by the fedemu.algorithms and fedemu.models entry points, validated, and run end to end
+(the model is built by the server and by every worker node)."""
 from __future__ import annotations
 
 import json
@@ -18,15 +19,23 @@ from fedemu.worker.protocol import TRAIN, TrainReply
 
 PLUGIN = Path(__file__).parent.parent / "examples" / "plugin"
 BY_PATH = "fedemu_example_plugin.algorithms:TrimmedMean"
+MODEL_BY_PATH = "fedemu_example_plugin.models:mlp"
 
 
 @pytest.fixture
 def plugin_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(PLUGIN))
-    # Each test finds the plug-in afresh, as a new process would.
+    # Each test finds the plug-in afresh, as a new process would (the built-ins loaded
+    # first, so the registry put back afterwards has them).
+    algorithm.built_in()
     monkeypatch.setattr(algorithm, "_registry", dict(algorithm._registry))
     for name in ("trimmedmean", BY_PATH):
         algorithm._registry.pop(name, None)
+    from fedemu.worker import models
+
+    monkeypatch.setattr(models, "_BUILDERS", dict(models._BUILDERS))
+    for name in ("mlp100", MODEL_BY_PATH):
+        models._BUILDERS.pop(name, None)
 
 
 def _entry_point_dir(tmp_path: Path) -> Path:
@@ -66,6 +75,38 @@ def test_a_plugin_by_entry_point_name(plugin_on_path, monkeypatch, tmp_path):
     assert configuration.load(None, ["algorithm.name=trimmedmean"])["algorithm"]["trim"] == 0.1
 
 
+def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatch, tmp_path):
+    from fedemu.worker import models
+
+    assert configuration.load(None, [f"model.name={MODEL_BY_PATH}"])["model"]["name"] == MODEL_BY_PATH
+    model = models.build(MODEL_BY_PATH, seed=1)
+    assert models.num_parameters(model) == 784 * 100 + 100 + 100 * 10 + 10
+    assert model(__import__("torch").zeros(3, 1, 28, 28)).shape == (3, 10)
+    with pytest.raises(configuration.ConfigError, match="model.name: unknown model 'mlp100': fedemu has 2nn, cnn"):
+        configuration.load(None, ["model.name=mlp100"])
+    with pytest.raises(configuration.ConfigError, match="model 'fedemu_example_plugin.models:nope': module "
+                                                        "'fedemu_example_plugin.models' has no 'nope'"):
+        configuration.load(None, ["model.name=fedemu_example_plugin.models:nope"])
+    monkeypatch.syspath_prepend(str(_entry_point_dir(tmp_path)))
+    assert models.builder("mlp100") is models.builder(MODEL_BY_PATH)
+
+
+@pytest.mark.mnist
+def test_the_preflight_names_a_plugin_model_the_host_cannot_build(tmp_path):
+    """What each host runs before a --machines launch (over SSH in tests/test_machines.py)."""
+    from fedemu.launch.agent import preflight
+
+    env = {**os.environ, "PYTHONPATH": ""}
+    argv = [sys.executable, "-m", "fedemu.launch", "preflight", "--dataset", "mnist", "--model", MODEL_BY_PATH]
+    missing = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120).stdout)
+    assert missing["problems"] == [f"cannot build model {MODEL_BY_PATH!r} here: model {MODEL_BY_PATH!r}: cannot "
+                                   f"import 'fedemu_example_plugin.models' (No module named 'fedemu_example_plugin'); "
+                                   f"is the package installed, or on PYTHONPATH, on this host?"]
+    found = subprocess.run(argv, env={**env, "PYTHONPATH": str(PLUGIN)}, capture_output=True, text=True, timeout=120)
+    assert json.loads(found.stdout)["problems"] == []
+    assert preflight("mnist", None, None, None, model="2nn")["problems"] == []
+
+
 def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
     """Five models, trim 0.2: drop the largest and the smallest value of each coordinate
     and average the three left: [1, 2, 3, 100, -50] -> mean(1, 2, 3) = 2; [0, 0, 9, 9, 9] -> 6."""
@@ -88,14 +129,16 @@ def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["module-path", "entry-point"])
 def test_a_plugin_runs_end_to_end_in_real_processes(how, tmp_path):
-    """The launcher validates the config and the server node imports the plug-in; both
-    find it the way a user's install would make it findable."""
+    """The launcher validates the config, the server node imports the algorithm, and the
+    server and the worker node build the model; each finds them the way a user's install
+    would make them findable."""
     paths = [str(PLUGIN)] + ([str(_entry_point_dir(tmp_path))] if how == "entry-point" else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
-    name = BY_PATH if how == "module-path" else "trimmedmean"
+    name, model = (BY_PATH, MODEL_BY_PATH) if how == "module-path" else ("trimmedmean", "mlp100")
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "1",
-            "--set", f"algorithm.name={name}", "--set", "algorithm.trim=0.2", "--set", "data.clients=10",
+            "--set", f"algorithm.name={name}", "--set", "algorithm.trim=0.2", "--set", f"model.name={model}",
+            "--set", "data.clients=10",
             "--set", "algorithm.C=0.5", "--set", "algorithm.B=50", "--set", "run.rounds=2",
             "--set", "run.target_accuracy=0"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)

@@ -1,79 +1,142 @@
-"""The two MNIST models of McMahan et al. (2017), and flat-vector weights.
+"""Models: McMahan et al. (2017)'s two MNIST models, any model a plug-in brings, and
+flat-vector weights.
 
-Both take (n, 1, 28, 28) float images and return (n, 10) logits; softmax is
-left to the cross-entropy loss. Weights cross the wire as one float32 vector
-in ``model.parameters()`` order, which is fixed by the module definitions.
+A model is a builder, ``builder(input_shape, num_classes) -> nn.Module``, found by
+``model.name``: a built-in (``2nn``, ``cnn``), an installed package's ``fedemu.models``
+entry point, or ``package.module:function``. Every process that trains or evaluates
+builds it (the server and each worker node), so over ``--machines`` each host's
+preflight checks that it can import it. A model takes (n, *input_shape) float inputs
+(images: (n, 1, 28, 28)) and returns (n, num_classes) logits; softmax is left to the
+cross-entropy loss. Weights cross the wire as one float32 vector in
+``model.parameters()`` order, which is fixed by the module definitions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import math
 import warnings
+from importlib import metadata
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
-from torch import nn
 
-MODEL_NAMES = ("2nn", "cnn")
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported inside the functions that use it: resolving a model's name
+# (config validation in the launcher) must not cost the launcher torch's import.
+
+ENTRY_POINT_GROUP = "fedemu.models"
+MNIST_SHAPE, MNIST_CLASSES = (1, 28, 28), 10
+
+Builder = Callable[..., "nn.Module"]  # builder(input_shape=(C, H, W), num_classes=N)
 
 
-def _two_layer_mlp() -> nn.Module:
-    # "2NN": two hidden layers of 200 units, 199,210 parameters.
+def _two_layer_mlp(input_shape=MNIST_SHAPE, num_classes=MNIST_CLASSES) -> nn.Module:
+    from torch import nn
+
+    # "2NN": two hidden layers of 200 units; on MNIST 199,210 parameters.
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(28 * 28, 200),
+        nn.Linear(math.prod(input_shape), 200),
         nn.ReLU(),
         nn.Linear(200, 200),
         nn.ReLU(),
-        nn.Linear(200, 10),
+        nn.Linear(200, num_classes),
     )
 
 
-def _cnn() -> nn.Module:
-    # Padding 2 keeps 28x28 through each 5x5 conv, so after two 2x2 pools the
-    # feature map is 7x7x64 = 3136; 1,663,370 parameters in all.
+def _cnn(input_shape=MNIST_SHAPE, num_classes=MNIST_CLASSES) -> nn.Module:
+    from torch import nn
+
+    # Padding 2 keeps H x W through each 5x5 conv, so after two 2x2 pools the feature
+    # map is H/4 x W/4 x 64 (MNIST: 7x7x64 = 3136; 1,663,370 parameters in all).
+    channels, height, width = input_shape
     return nn.Sequential(
-        nn.Conv2d(1, 32, kernel_size=5, padding=2),
+        nn.Conv2d(channels, 32, kernel_size=5, padding=2),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Conv2d(32, 64, kernel_size=5, padding=2),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(7 * 7 * 64, 512),
+        nn.Linear((height // 4) * (width // 4) * 64, 512),
         nn.ReLU(),
-        nn.Linear(512, 10),
+        nn.Linear(512, num_classes),
     )
 
 
-_BUILDERS = {"2nn": _two_layer_mlp, "cnn": _cnn}
+_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn}
+MODEL_NAMES = tuple(_BUILDERS)
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def builder(name: str) -> Builder:
+    """The builder ``model.name`` names (module docstring); UnknownModel says why not."""
+    if name in _BUILDERS:
+        return _BUILDERS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module_name), attr)
+        except ImportError as exc:
+            raise UnknownModel(f"model {name!r}: cannot import {module_name!r} ({exc}); is the package installed, "
+                               f"or on PYTHONPATH, on this host?") from None
+        except AttributeError:
+            raise UnknownModel(f"model {name!r}: module {module_name!r} has no {attr!r}") from None
+    else:
+        points = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not points:
+            raise UnknownModel(f"unknown model {name!r}: fedemu has {', '.join(MODEL_NAMES)}; a plug-in is named "
+                               f"'package.module:function' or installed under the {ENTRY_POINT_GROUP!r} entry points")
+        try:
+            found = points[0].load()
+        except Exception as exc:
+            raise UnknownModel(f"model {name!r} (entry point {points[0].value!r}) failed to load: "
+                               f"{type(exc).__name__}: {exc}") from None
+    if not callable(found):
+        raise UnknownModel(f"model {name!r} is {found!r}, not a builder(input_shape, num_classes)")
+    _BUILDERS[name] = found
+    return found
 
 
 INITS = ("torch", "normal")
 
 
-def build(name: str, seed: int | None = None, init: str = "torch", init_std: float = 0.0) -> nn.Module:
+def build(name: str, seed: int | None = None, init: str = "torch", init_std: float = 0.0,
+          input_shape: tuple[int, ...] = MNIST_SHAPE, num_classes: int = MNIST_CLASSES) -> nn.Module:
     """A fresh model; with ``seed``, its initial weights are deterministic.
 
     ``init = "torch"`` keeps PyTorch's per-layer defaults; ``"normal"`` draws every weight
     and bias from N(0, init_std^2), as Nilsson et al.'s server did (``random_fc_model``
     in their server.erl: Erlang's ``rand:normal(0, 0.003)``, whose second argument is the
     variance, so init_std = sqrt(0.003))."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    import torch
+    from torch import nn
+
+    make = builder(name)
     if init not in INITS:
         raise ValueError(f"unknown model init {init!r}; allowed: {', '.join(INITS)}")
     # With a seed, a forked RNG: building a model leaves the caller's global torch RNG as it was.
     with torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext():
         if seed is not None:
             torch.manual_seed(seed)
-        model = _BUILDERS[name]()
+        model = make(input_shape=tuple(input_shape), num_classes=num_classes)
+        if not isinstance(model, nn.Module):
+            raise UnknownModel(f"model {name!r} built {type(model).__name__}, not a torch.nn.Module")
         if init == "normal":
             _normal_init(model, init_std)
     return model
 
 
 def _normal_init(model: nn.Module, std: float) -> None:
+    import torch
+
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, std)
@@ -85,6 +148,8 @@ def num_parameters(model: nn.Module) -> int:
 
 def get_flat(model: nn.Module) -> np.ndarray:
     """All parameters as one new contiguous float32 vector (one copy)."""
+    import torch
+
     with torch.no_grad():
         flat = torch.cat([parameter.reshape(-1) for parameter in model.parameters()])
     # .numpy() shares the freshly concatenated buffer: no second copy.
@@ -93,6 +158,8 @@ def get_flat(model: nn.Module) -> np.ndarray:
 
 def set_flat(model: nn.Module, vec: np.ndarray) -> None:
     """Overwrite all parameters from a vector laid out as ``get_flat`` makes it."""
+    import torch
+
     vec = np.ascontiguousarray(vec)  # no copy when it already is
     expected = num_parameters(model)
     if vec.ndim != 1 or vec.shape[0] != expected:
