@@ -129,11 +129,25 @@ class Run:
         return float(self.curve.accuracy.max()) if len(self.curve) else None
 
 
+def with_current_defaults(config: dict) -> dict:
+    """A run's config with every key it lacks at today's default: a run recorded before
+    a key existed (algorithm.merge_s, say) ran as that default, so it compares equal to
+    a run of today that leaves the key at its default."""
+    from . import config as configuration
+
+    for section, defaults in configuration.default().items():
+        values = config.setdefault(section, {})
+        if isinstance(values, dict):
+            for key, value in defaults.items():
+                values.setdefault(key, value)
+    return config
+
+
 def load_run(path: str | Path, params: dict | None = None) -> Run:
     path = Path(path)
     if not (path / "config.toml").exists():
         raise ReportError(f"{path} is not a run directory (no config.toml)")
-    config = tomllib.loads((path / "config.toml").read_text())
+    config = with_current_defaults(tomllib.loads((path / "config.toml").read_text()))
     summary = json.loads((path / SUMMARY).read_text()) if (path / SUMMARY).exists() else None
     scale = config.get("run", {}).get("time_scale", 1.0)
     events = read_events(path) if (path / EVENTS).exists() else []

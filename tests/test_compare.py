@@ -102,3 +102,24 @@ def test_unpaired_or_single_groups_are_refused(tmp_path):
         compare.compare(compare.collect(dirs[:15]))
     result = CliRunner().invoke(main, ["compare", *map(str, dirs[:15])])
     assert result.exit_code == 1 and "nothing to compare" in result.output
+
+
+def test_a_run_recorded_before_a_key_existed_pairs_with_one_that_has_its_default(tmp_path):
+    """Runs of one condition, one of them recorded before algorithm.merge_s existed (its
+    config lacks the key): it ran at the default, so the runs pair."""
+    import tomllib
+
+    from fedemu.launch import compare
+    from fedemu.launch.results import load_run
+
+    runs = []
+    for fold in range(3):
+        for name, acc in (("fedavg", 0.9 + fold / 100), ("coop", 0.8 + fold / 100)):
+            run_dir = make_run(tmp_path / f"{name}-{fold}", [acc], sets={"algorithm.name": name, "data.fold": fold})
+            if fold == 0:  # as an older fedemu wrote it
+                text = (run_dir / "config.toml").read_text()
+                (run_dir / "config.toml").write_text("\n".join(l for l in text.splitlines() if not l.startswith("merge_s")))
+                assert "merge_s" not in tomllib.loads((run_dir / "config.toml").read_text())["algorithm"]
+            runs.append(load_run(run_dir))
+    groups, reps, folds = compare.paired(runs, "algorithm.name", "final_accuracy")
+    assert folds == 3 and sorted(groups) == ["coop", "fedavg"]
