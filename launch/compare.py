@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import config as configuration
 from .report import _pyplot, _save, algorithm_label, fmt, markdown_table, short
 from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_run, load_sweep
 
@@ -96,8 +97,11 @@ def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple,
     out: dict[str, dict[tuple, float]] = {}
     for name, members in groups.items():
         flats = [flat(r.config) for r in members]
+        # What cannot change a run (another algorithm's option, an IID run's shard order).
+        ineffective = set.intersection(*(configuration.ineffective_keys(r.config) for r in members))
         for key in flats[0].keys() | set().union(*flats):
-            if key in REPEAT_KEYS or key == by or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir"):
+            if (key in REPEAT_KEYS or key == by or key in ineffective
+                    or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir")):
                 continue
             values = {json.dumps(f.get(key), sort_keys=True) for f in flats}
             if len(values) > 1:

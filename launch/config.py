@@ -281,6 +281,22 @@ def _check_model(name: str) -> None:
         raise ConfigError(f"model.name: {exc}") from None
 
 
+def ineffective_keys(config: dict) -> set[str]:
+    """Keys (``section.key``) whose value cannot change this run: the options of algorithms
+    other than the one it runs, and the shard keys of an IID partition. Two runs that
+    differ only in these ran the same condition."""
+    from fedemu.server.algorithm import UnknownAlgorithm, all_options, get
+
+    try:
+        own = set(get(config["algorithm"]["name"]).options)
+    except UnknownAlgorithm:  # a plug-in this machine cannot import: assume every option matters
+        own = set(all_options())
+    keys = {f"algorithm.{key}" for key in all_options() if key not in own}
+    if config.get("data", {}).get("partition") != "shards":
+        keys |= {"data.shards_per_client", "data.shard_order"}
+    return keys
+
+
 def findings(config: dict) -> list:
     """The static deadlock and liveness findings for a config (server.checks)."""
     from fedemu.server.checks import check

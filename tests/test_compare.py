@@ -123,3 +123,26 @@ def test_a_run_recorded_before_a_key_existed_pairs_with_one_that_has_its_default
             runs.append(load_run(run_dir))
     groups, reps, folds = compare.paired(runs, "algorithm.name", "final_accuracy")
     assert folds == 3 and sorted(groups) == ["coop", "fedavg"]
+
+
+def test_runs_that_differ_only_where_it_cannot_matter_still_pair(tmp_path):
+    """An IID run's shard order and another algorithm's option do not change the run:
+    such runs pair; a difference that matters (the learning rate) is still refused."""
+    from fedemu.launch import compare
+    from fedemu.launch.results import load_run
+
+    def runs(vary: dict) -> list:
+        out = []
+        for fold in range(2):
+            for name in ("fedavg", "coop"):
+                sets = {"algorithm.name": name, "data.fold": fold, **(vary if fold == 0 else {})}
+                out.append(load_run(make_run(tmp_path / f"{len(vary)}-{next(iter(vary))}-{name}-{fold}", [0.9],
+                                             sets=sets)))
+        return out
+
+    compare.paired(runs({"data.shard_order": "pixels"}), "algorithm.name", "final_accuracy")  # IID by default
+    compare.paired(runs({"algorithm.h": 2.0}), "algorithm.name", "final_accuracy")  # FSVRG's, unused by both
+    with pytest.raises(compare.CompareError, match="the fedavg runs differ in algorithm.lr"):
+        compare.paired(runs({"algorithm.lr": 0.5}), "algorithm.name", "final_accuracy")
+    with pytest.raises(compare.CompareError, match="the coop runs differ in algorithm.b_l"):
+        compare.paired(runs({"algorithm.b_l": 5}), "algorithm.name", "final_accuracy")  # CO-OP's own
