@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any, ClassVar
 
+from fedemu.node import plugins
 from fedemu.node.schema import Key
 
 ENTRY_POINT_GROUP = "fedemu.algorithms"
@@ -68,7 +68,7 @@ class Algorithm:
         return None
 
 
-class UnknownAlgorithm(ValueError):
+class UnknownAlgorithm(plugins.PluginNotFound):
     pass
 
 
@@ -114,41 +114,15 @@ def get(name: str) -> type[Algorithm]:
     _load_built_ins()
     if name in _registry:
         return _registry[name]
-    if ":" in name:
-        cls = _import(name)
-    else:
-        found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not found:
-            raise UnknownAlgorithm(
-                f"unknown algorithm {name!r}: fedemu has {', '.join(built_in())}; a plug-in is named "
-                f"'package.module:Class' or installed under the {ENTRY_POINT_GROUP!r} entry points")
-        cls = _load_entry_point(found[0])
+    try:
+        cls = plugins.load(name, "algorithm", ENTRY_POINT_GROUP, "Class", list(built_in()))
+    except plugins.PluginNotFound as exc:
+        raise UnknownAlgorithm(str(exc)) from None
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise UnknownAlgorithm(f"algorithm {name!r} is {cls!r}, not a subclass of fedemu's Strategy or AsyncRule")
     register(cls)
     _registry[name] = cls  # also under the name the config used
     return cls
-
-
-def _import(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UnknownAlgorithm(f"algorithm {spec!r}: cannot import {module_name!r} ({exc}); is the package "
-                               f"installed, or on PYTHONPATH, on this host?") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise UnknownAlgorithm(f"algorithm {spec!r}: module {module_name!r} has no {attr!r}") from None
-
-
-def _load_entry_point(entry_point: metadata.EntryPoint) -> Any:
-    try:
-        return entry_point.load()
-    except Exception as exc:
-        raise UnknownAlgorithm(f"algorithm {entry_point.name!r} (entry point {entry_point.value!r}) "
-                               f"failed to load: {type(exc).__name__}: {exc}") from None
 
 
 def all_options(extra: type[Algorithm] | None = None) -> dict[str, Key]:

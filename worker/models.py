@@ -14,13 +14,13 @@ cross-entropy loss. Weights cross the wire as one float32 vector in
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import warnings
-from importlib import metadata
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+from fedemu.node import plugins
 
 if TYPE_CHECKING:
     from torch import nn
@@ -72,7 +72,7 @@ _BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn}
 MODEL_NAMES = tuple(_BUILDERS)
 
 
-class UnknownModel(ValueError):
+class UnknownModel(plugins.PluginNotFound):
     pass
 
 
@@ -80,25 +80,10 @@ def builder(name: str) -> Builder:
     """The builder ``model.name`` names (module docstring); UnknownModel says why not."""
     if name in _BUILDERS:
         return _BUILDERS[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            found = getattr(importlib.import_module(module_name), attr)
-        except ImportError as exc:
-            raise UnknownModel(f"model {name!r}: cannot import {module_name!r} ({exc}); is the package installed, "
-                               f"or on PYTHONPATH, on this host?") from None
-        except AttributeError:
-            raise UnknownModel(f"model {name!r}: module {module_name!r} has no {attr!r}") from None
-    else:
-        points = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not points:
-            raise UnknownModel(f"unknown model {name!r}: fedemu has {', '.join(MODEL_NAMES)}; a plug-in is named "
-                               f"'package.module:function' or installed under the {ENTRY_POINT_GROUP!r} entry points")
-        try:
-            found = points[0].load()
-        except Exception as exc:
-            raise UnknownModel(f"model {name!r} (entry point {points[0].value!r}) failed to load: "
-                               f"{type(exc).__name__}: {exc}") from None
+    try:
+        found = plugins.load(name, "model", ENTRY_POINT_GROUP, "function", list(MODEL_NAMES))
+    except plugins.PluginNotFound as exc:
+        raise UnknownModel(str(exc)) from None
     if not callable(found):
         raise UnknownModel(f"model {name!r} is {found!r}, not a builder(input_shape, num_classes)")
     _BUILDERS[name] = found
