@@ -52,7 +52,7 @@ class RunLog:
     def __init__(self, run_dir: str | Path, started: float | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.started = time.time() if started is None else started
+        self.started = time.time() if started is None else started  # wall: each event's `t` is host seconds
         self.path = self.run_dir / EVENTS
         self.failed: RunLogError | None = None  # the write error that closed the log
         try:
@@ -71,7 +71,7 @@ class RunLog:
                 os.fsync(f.fileno())
 
     def elapsed(self) -> float:
-        return time.time() - self.started
+        return time.time() - self.started  # wall
 
     def event(self, name: str, **fields: Any) -> dict:
         """Append one event; raises RunLogError if the line cannot be written (and

@@ -208,7 +208,7 @@ class Client(Behaviour):
 
     def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
         """The local work a request asks for, and how long to hold its reply back."""
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
         model = self._cache.get(self.model_name)
         models.set_flat(model, request.weights)
         images, labels = self._data()
@@ -241,8 +241,8 @@ class Client(Behaviour):
             raise ValueError(f"unknown task {request.task!r}")
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
         examples = len(self.indices) * (request.epochs if request.task == TRAIN else 1)
-        compute_s, hold = self.compute.times(self.model_name, request.task, examples, slowdown,
-                                                     time.perf_counter() - started, time.thread_time() - started_cpu)
+        measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
+        compute_s, hold = self.compute.times(self.model_name, request.task, examples, slowdown, measured_s, cpu_s)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
@@ -337,10 +337,10 @@ class Client(Behaviour):
             self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
         model = self._cache.get(self.model_name)
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started, started_cpu = time.perf_counter(), time.thread_time()  # wall
         upload = self._upload(model, 0.0, slowdown)
         # Encoding is the client's work too (measured; the device model charges training).
-        upload.compute_s, hold = self._times(slowdown, measured_s + time.perf_counter() - started,
+        upload.compute_s, hold = self._times(slowdown, measured_s + time.perf_counter() - started,  # wall
                                              cpu_s + time.thread_time() - started_cpu)
         self._request(proc, upload, hold)
 
@@ -352,7 +352,7 @@ class Client(Behaviour):
     def _local_update(self) -> None:
         """One local update of w_k (E epochs from the current weights); sets _measured."""
         start = self._async
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started, started_cpu = time.perf_counter(), time.thread_time()  # wall
         model = self._cache.get(self.model_name)
         models.set_flat(model, self._weights)
         images, labels = self._data()
@@ -374,7 +374,7 @@ class Client(Behaviour):
             weights = result.weights
         self.iterations += result.steps
         self._weights, self._loss = weights, result.train_loss
-        self._measured = (time.perf_counter() - started, time.thread_time() - started_cpu)
+        self._measured = (time.perf_counter() - started, time.thread_time() - started_cpu)  # wall
 
     def _upload(self, model: torch.nn.Module, compute_s: float, slowdown: float = 1.0) -> Upload:
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
