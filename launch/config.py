@@ -22,8 +22,6 @@ class ConfigError(ValueError):
     """A config key or value that is not allowed; the message names it."""
 
 
-
-
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
         "seed": Key(int, "seed of every random choice in the run"),
@@ -106,6 +104,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
+
 
 def default() -> dict[str, dict[str, Any]]:
     """The embedded default run: MNIST, 2NN, IID, K=100, C=0.1, E=1, B=10 (FedAvg), with

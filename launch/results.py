@@ -9,6 +9,7 @@ missing summary is a running or killed run; a torn last event line is skipped).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sqlite3
@@ -129,13 +130,19 @@ class Run:
         return float(self.curve.accuracy.max()) if len(self.curve) else None
 
 
+@functools.cache
+def _todays_defaults() -> dict:
+    """The default config, read once: a sweep loads hundreds of runs (only read here)."""
+    from . import config as configuration
+
+    return configuration.default()
+
+
 def with_current_defaults(config: dict) -> dict:
     """A run's config with every key it lacks at today's default: a run recorded before
     a key existed (algorithm.merge_s, say) ran as that default, so it compares equal to
     a run of today that leaves the key at its default."""
-    from . import config as configuration
-
-    for section, defaults in configuration.default().items():
+    for section, defaults in _todays_defaults().items():
         values = config.setdefault(section, {})
         if isinstance(values, dict):
             for key, value in defaults.items():
