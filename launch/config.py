@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
-        "seed": Key(int, "seed of every random choice in the run"),
+        "seed": Key(int, "seed of every random choice in the run", check=lambda s: 0 <= s < 2**63, rule="in [0, 2**63)"),
         "rounds": Key(int, "round limit", check=positive, rule="> 0"),
         "target_accuracy": Key(float, "stop once test accuracy reaches this (0: never)", check=unit_interval, rule="in [0, 1]"),
         "eval_every": Key(int, "evaluate the global model every this many rounds", check=positive, rule="> 0"),

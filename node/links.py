@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import bisect
 import collections
-import hashlib
 import math
 import re
-import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .streams import uniform
 
 UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}
@@ -144,14 +144,6 @@ class LinkProfile:
 
 
 IDEAL = LinkProfile()
-
-
-def uniform(seed: int, purpose: str, link: int, direction: int, counter: int) -> float:
-    """A uniform draw in [0, 1) that depends only on its arguments (counter-based RNG).
-    The fixed-width numbers come first, so distinct purposes can never hash the same input."""
-    digest = hashlib.blake2b(struct.pack("<qqqq", seed, link, direction, counter) + purpose.encode(),
-                             digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 11) * (1.0 / (1 << 53))
 
 
 def _standard_normal(u1: float, u2: float) -> float:
@@ -470,8 +462,8 @@ class NetworkSpec:
         if unknown:
             raise LinkConfigError(f"unknown key network.{sorted(unknown)[0]}; [network] has {', '.join(NETWORK_KEYS)}")
         seed = section.get("seed", run_seed)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise LinkConfigError(f"network.seed = {seed!r} must be an integer")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise LinkConfigError(f"network.seed = {seed!r} must be an integer in [0, 2**63)")
         if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not time_scale > 0:
             raise LinkConfigError(f"run.time_scale = {time_scale!r} must be a number > 0")
         profiles = {name: profile_pair(name, values, f"network.profiles.{name}") for name, values in PRESETS.items()}

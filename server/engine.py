@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedemu.node import streams
 from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
 from fedemu.worker import models, training
 from fedemu.worker.data import Dataset
@@ -327,7 +328,6 @@ class RoundEngine(Engine):
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
-        rng = np.random.default_rng(np.random.SeedSequence([s.seed, 0x5E1EC7]))
         for round_ in range(1, s.rounds + 1):
             self._rejoin_waiting(proc, round_)
             if len(self.live) < s.quorum:
@@ -342,7 +342,8 @@ class RoundEngine(Engine):
                 selected = candidates
             else:
                 m = min(s.per_round + self.over_select, len(candidates))
-                selected = sorted(int(k) for k in rng.choice(candidates, size=m, replace=False))
+                selected = sorted(int(k) for k in streams.generator(s.seed, "selection", round_).choice(
+                    candidates, size=m, replace=False))
             # Over-selection: a phase closes once m replies are in.
             book = _RoundBook(selected, target=s.per_round if self.over_select else None)
             new_weights = self.strategy.run_round(

@@ -400,7 +400,8 @@ def test_restricted_training_learns(structured):
     model = models.build("2nn", seed=3)
     accuracy_before, loss_before = evaluate(model, images, labels)
     codec = make_codec({"structured": structured}, compression.parameter_shapes(model))
-    compressed_client_update(model, images, labels, codec=codec, seed=1, epochs=5, batch_size=10,
+    # 10 epochs: at 5 this reaches 0.82-0.95 for most model and codec seeds, at 10 always 1.0.
+    compressed_client_update(model, images, labels, codec=codec, seed=1, epochs=10, batch_size=10,
                              lr=0.1, generator=torch.Generator().manual_seed(0))
     accuracy_after, loss_after = evaluate(model, images, labels)
     assert accuracy_before < 0.5 and accuracy_after == 1.0

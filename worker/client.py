@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
 from . import models, training
@@ -53,9 +54,9 @@ def placement(num_clients: int, num_workers: int) -> list[range]:
 
 
 def client_generator(seed: int, round_: int, client: int) -> torch.Generator:
-    """The shuffling RNG of one client in one round, independent of thread timing."""
-    state = np.random.SeedSequence([seed, round_, client]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+    """The shuffling RNG of one client in one round (or its n-th asynchronous update),
+    independent of thread timing."""
+    return torch.Generator().manual_seed(streams.seed64(seed, "shuffle", client, round_))
 
 
 class _ModelCache(threading.local):

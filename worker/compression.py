@@ -44,6 +44,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fedemu.node import streams
+
 STRUCTURED_CHOICES = ("none", "low_rank", "random_mask")
 MAX_BITS = 8
 FLOAT_BITS = 32  # ``bits = 32`` in a config means "no quantization" (TOML has no null)
@@ -57,10 +59,8 @@ ENCODED_KEYS = ("codec", "values", "codes", "ranges")
 ENCODED_HEADER_BYTES = 96
 _FORMAT = "fedemu-compression-1"
 
-# Tags keeping the random streams apart: from each other, and from the
-# shuffling generator that worker.client derives from [seed, round, client].
-_SEED_DOMAIN = 0xC0DEC
-_MASK, _BASIS, _SIGNS, _SAMPLE, _ROUNDING = 1, 2, 3, 4, 5
+# The purposes of a layer's random streams under one update's seed (fedemu.node.streams).
+_MASK, _BASIS, _SIGNS, _SAMPLE, _ROUNDING = "mask", "basis", "signs", "sample", "rounding"
 
 
 # --- seeds ---------------------------------------------------------------------------
@@ -71,13 +71,12 @@ def update_seed(run_seed: int, round_: int, client: int) -> int:
     for name, value in (("run_seed", run_seed), ("round", round_), ("client", client)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    state = np.random.SeedSequence([int(run_seed), int(round_), int(client), _SEED_DOMAIN])
-    words = state.generate_state(2, dtype=np.uint32)
-    return int(words[0]) << 32 | int(words[1])
+    # 63 bits, so that it seeds the layers' streams in turn.
+    return streams.seed64(int(run_seed), "compression", int(round_), int(client)) >> 1
 
 
-def _rng(seed: int, layer: int, purpose: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(seed), layer, purpose]))
+def _rng(seed: int, layer: int, purpose: str) -> np.random.Generator:
+    return streams.generator(seed, f"compression.{purpose}", layer)
 
 
 # --- the spec ----------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedemu.node import streams
+
 from . import partition
 
 
@@ -75,7 +77,7 @@ def iid(n_samples: int, k: int, num_clients: int, seed: int) -> KFold:
         raise ValueError(f"k-fold needs at least 2 folds, got {k}")
     fold_size = _check_split(n_samples, k, "folds")
     _check_split(fold_size, num_clients, f"client parts of a fold of {fold_size}")
-    order = np.random.default_rng(seed).permutation(n_samples).astype(np.int64)
+    order = streams.generator(seed, "kfold.iid").permutation(n_samples).astype(np.int64)
     return KFold([[np.sort(p) for p in fold.reshape(num_clients, -1)] for fold in order.reshape(k, fold_size)])
 
 
@@ -88,7 +90,7 @@ def non_iid(labels: np.ndarray, k: int, num_clients: int, shards_per_client: int
     fold_size = _check_split(len(labels), k, "folds")
     num_shards = num_clients * shards_per_client
     _check_split(fold_size, num_shards, f"shards of a fold of {fold_size} ({num_clients} clients x {shards_per_client})")
-    rng = np.random.default_rng(seed)
+    rng = streams.generator(seed, "kfold.shards")
     folds = rng.permutation(len(labels)).astype(np.int64).reshape(k, fold_size)          # (1), (2)
     # "stable": the order within a label is the shuffle's; "pixels": by image bytes, as theirs.
     folds = [fold[partition.by_label(labels[fold], None if images is None else images[fold], order)]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from fedemu.node import plugins
+from fedemu.node import plugins, streams
 
 if TYPE_CHECKING:
     from torch import nn
@@ -110,7 +110,7 @@ def build(name: str, seed: int | None = None, init: str = "torch", init_std: flo
     # With a seed, a forked RNG: building a model leaves the caller's global torch RNG as it was.
     with torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext():
         if seed is not None:
-            torch.manual_seed(seed)
+            torch.manual_seed(streams.seed64(seed, "model.init"))
         model = make(input_shape=tuple(input_shape), num_classes=num_classes)
         if not isinstance(model, nn.Module):
             raise UnknownModel(f"model {name!r} built {type(model).__name__}, not a torch.nn.Module")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedemu.node import streams
+
 PARTITION_KINDS = ("iid", "shards")
 
 
@@ -22,7 +24,7 @@ def iid(n_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
             f"{n_samples} samples do not split evenly among {num_clients} clients "
             f"(remainder {n_samples % num_clients})"
         )
-    order = np.random.default_rng(seed).permutation(n_samples).astype(np.int64)
+    order = streams.generator(seed, "partition.iid").permutation(n_samples).astype(np.int64)
     return [np.sort(part) for part in order.reshape(num_clients, -1)]
 
 
@@ -70,7 +72,7 @@ def shards(
         )
     # Stable by default, so equal labels keep data-set order and the split is reproducible.
     shard_table = by_label(labels, images, order).reshape(num_shards, -1)
-    assignment = np.random.default_rng(seed).permutation(num_shards)
+    assignment = streams.generator(seed, "partition.shards").permutation(num_shards)
     return [
         np.sort(shard_table[client_shards].ravel())
         for client_shards in assignment.reshape(num_clients, shards_per_client)

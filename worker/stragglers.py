@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedemu.node import streams
 from fedemu.node.links import LinkConfigError, parse_ids
 
 DISTRIBUTIONS = ("none", "fixed", "lognormal", "pareto", "classes")
@@ -67,7 +68,7 @@ class StragglerSpec:
             return 1.0
         if self.distribution == "fixed":
             return self.factor
-        rng = np.random.default_rng([self.seed, 0x57A6, client, round_ if self.per_round else 0])
+        rng = streams.generator(self.seed, "stragglers", client, round_ if self.per_round else 0)
         if self.distribution == "lognormal":
             return max(1.0, math.exp(self.sigma * rng.standard_normal()))
         if self.distribution == "pareto":
