@@ -48,8 +48,8 @@ def code_digest() -> str:
     digest = hashlib.sha256()
     for package in PACKAGES:
         folder = Path(importlib.import_module(package).__file__).parent
-        for path in sorted(folder.glob("*.py")) + sorted(folder.glob("*.toml")):
-            digest.update(f"{package}/{path.name}\0".encode())
+        for path in sorted(folder.rglob("*.py")) + sorted(folder.rglob("*.toml")):  # subpackages too
+            digest.update(f"{package}/{path.relative_to(folder).as_posix()}\0".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -80,7 +80,7 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         report["torch"] = torch.__version__
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
-    from fedemu.worker import data, models
+    from fedemu.worker.ml import data, models
 
     if model is not None:  # worker nodes build it: a plug-in must be importable here too
         try:

@@ -31,7 +31,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
            machines) -> None:
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile)."""
-    from fedemu.worker.data import DatasetError
+    from fedemu.worker.ml.data import DatasetError
 
     from .launcher import launch as run_local
     from .rundir import LaunchError
@@ -94,7 +94,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
     """Fetch data set NAME (mnist, fashion-mnist), verify it, and cache a converted copy.
     A cached copy is checked (sizes and sha256 recorded when it was made) and fetched
     again if damaged."""
-    from fedemu.worker import data as datasets
+    from fedemu.worker.ml import data as datasets
 
     try:
         path = datasets.fetch(name, cache_dir, force=force)
@@ -107,7 +107,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False))
 def data_list(cache_dir: str | None) -> None:
     """List the known data sets and whether they are cached."""
-    from fedemu.worker import data as datasets
+    from fedemu.worker.ml import data as datasets
 
     for entry in datasets.list_datasets(cache_dir):
         click.echo(json.dumps(entry, default=str))

@@ -259,7 +259,7 @@ def validate(config: dict) -> None:
             f"[compression] applies to model updates (algorithm.name = {', '.join(compressible)}: each sends "
             f"the delta from the model it trained from); algorithm.name = {config['algorithm']['name']!r} "
             f"uploads {algorithm.uploads}, which the update codecs do not encode")
-    from fedemu.worker import kfold
+    from fedemu.worker.ml import kfold
 
     try:
         kfold.check(config)
@@ -272,7 +272,7 @@ def validate(config: dict) -> None:
 
 
 def _check_model(name: str) -> None:
-    from fedemu.worker import models  # (torch: a plug-in's builder is imported to be checked)
+    from fedemu.worker.ml import models  # (torch: a plug-in's builder is imported to be checked)
 
     try:
         models.builder(name)
@@ -325,8 +325,8 @@ def network_parts(config: dict):
 
 
 def compute_model(config: dict):
-    """How the run's clients are charged for their local work (worker.devices)."""
-    from fedemu.worker.devices import ComputeModel
+    """How the run's clients are charged for their local work (worker.ml.devices)."""
+    from fedemu.worker.ml.devices import ComputeModel
 
     run = config["run"]
     return ComputeModel(clock=run["clock"], charge=run["compute"], device_flops=run["device_flops"])
@@ -334,7 +334,7 @@ def compute_model(config: dict):
 
 def compression_spec(config: dict):
     """The [compression] section as a CompressionSpec; errors name the key."""
-    from fedemu.worker.compression import CompressionSpec
+    from fedemu.worker.ml.compression import CompressionSpec
 
     try:
         return CompressionSpec.from_dict(config.get("compression", {}), prefix="compression.")

@@ -31,7 +31,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
            echo: Callable[[str], None] = print, machines=None, values: dict | None = None) -> tuple[Path, dict]:
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary)."""
-    from fedemu.worker import data
+    from fedemu.worker.ml import data
 
     config = configuration.load(config_path, overrides, values)
     if workers is not None:
@@ -60,7 +60,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
 def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:
     """Prepare, start and follow the run; any stop signal (or Ctrl-C) interrupts it in
     order. Whatever ends it, its summary.json says how."""
-    from fedemu.worker.data import DatasetError
+    from fedemu.worker.ml.data import DatasetError
 
     try:
         prepare()

@@ -108,7 +108,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.server.async_engine import AsyncEngine
     from fedemu.server.engine import RoundEngine, Settings, Stop
     from fedemu.server.runlog import RunLog
-    from fedemu.worker import data, kfold
+    from fedemu.worker.ml import data, kfold
     from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
@@ -178,7 +178,7 @@ def _compression(config: dict) -> dict | None:
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
     from fedemu.launch.config import compute_model, network_parts
-    from fedemu.worker import data, kfold, partition
+    from fedemu.worker.ml import data, kfold, partition
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)

@@ -23,7 +23,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     """Run every point of SWEEP_FILE's grid; rerun to resume (completed points are skipped,
     failed and interrupted ones retried). With --machines every point's worker nodes run
     on the hosts; --parallel N splits the hosts into N groups, one point on each."""
-    from fedemu.worker.data import DatasetError
+    from fedemu.worker.ml.data import DatasetError
 
     from .sweep import SweepError, load_spec, run_sweep
 

@@ -227,7 +227,7 @@ def point_id(params: dict[str, Any]) -> str:
 
 def expand(spec: Spec) -> list[Point]:
     """Every point of the grid, each config resolved and validated."""
-    from fedemu.worker import kfold
+    from fedemu.worker.ml import kfold
 
     points, ids = [], set()
     for seq, combo in enumerate(itertools.product(*(values for _, values in spec.groups))):
@@ -565,7 +565,7 @@ def _read_summary(run_dir: Path) -> dict | None:
 
 
 def _fetch_data(points: list[Point], echo) -> None:
-    from fedemu.worker import data
+    from fedemu.worker.ml import data
 
     for name, cache in {(p.config["data"]["dataset"], p.config["data"]["cache_dir"] or None) for p in points}:
         data.fetch(name, cache, progress=lambda line: None)

@@ -1,6 +1,6 @@
 """Finding what a config names from outside fedemu: ``package.module:attr``, imported on
 the spot, or the name of an installed package's entry point in ``group``. Algorithms
-(``server/algorithm.py``) and models (``worker/models.py``) are found this way; each
+(``server/algorithm.py``) and models (``worker/ml/models.py``) are found this way; each
 error names the thing, the name and what to do."""
 from __future__ import annotations
 

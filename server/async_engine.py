@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
-from fedemu.worker.data import Dataset
+from fedemu.worker.ml.data import Dataset
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
                                     WorkerReady, retry_wait)
 

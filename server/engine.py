@@ -28,9 +28,9 @@ import numpy as np
 
 from fedemu.node import streams
 from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
-from fedemu.worker import models, training
-from fedemu.worker.data import Dataset
-from fedemu.worker.compression import make_codec, parameter_shapes, update_seed
+from fedemu.worker.ml import models, training
+from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
 from .runlog import RunLog, RunLogError

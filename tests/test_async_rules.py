@@ -7,11 +7,11 @@ from fedemu.launch import config as configuration
 from fedemu.server.async_rules import Coop, FedAsync, FedBuff, staleness_weight
 from fedemu.server.checks import check
 from fedemu.node import Message
-from fedemu.worker import models
+from fedemu.worker.ml import models
 from fedemu.worker.client import Client, _ModelCache, client_generator
-from fedemu.worker.data import Dataset
+from fedemu.worker.ml.data import Dataset
 from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
-from fedemu.worker.training import client_update
+from fedemu.worker.ml.training import client_update
 
 from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
 

@@ -9,10 +9,10 @@ from fedemu.server.async_engine import AsyncEngine
 from fedemu.server.async_rules import Coop, FedAsync, FedBuff
 from fedemu.server.engine import Settings
 from fedemu.server.runlog import RunLog, read_events
-from fedemu.worker import compression, models
+from fedemu.worker.ml import compression, models
 from fedemu.worker.client import Client, _ModelCache
-from fedemu.worker.data import Dataset
-from fedemu.worker.compression import (
+from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.compression import (
     ENCODED_HEADER_BYTES,
     CompressionSpec,
     encoded_size,
@@ -25,8 +25,8 @@ from fedemu.worker.compression import (
     update_seed,
 )
 from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
-from fedemu.worker.structured import compressed_client_update
-from fedemu.worker.training import client_update, evaluate
+from fedemu.worker.ml.structured import compressed_client_update
+from fedemu.worker.ml.training import client_update, evaluate
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():

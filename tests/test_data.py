@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from fedemu.worker import data, partition
+from fedemu.worker.ml import data, partition
 
 
 # --- IDX reader -------------------------------------------------------------
@@ -368,7 +368,7 @@ def test_real_mnist_matches_the_pickle(tmp_path):
     np.testing.assert_array_equal(mnist.test_labels, test_y)
 
 
-# --- partitions (worker/partition.py) ---------------------------------------------
+# --- partitions (worker/ml/partition.py) ---------------------------------------------
 
 # The real MNIST training-set label counts: none is a multiple of 300.
 MNIST_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]

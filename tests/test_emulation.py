@@ -420,8 +420,8 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     (a Cancel), stops at its next minibatch and sends nothing; then it is selected and
     answers again."""
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.data import Dataset
-    from fedemu.worker.models import build, get_flat
+    from fedemu.worker.ml.data import Dataset
+    from fedemu.worker.ml.models import build, get_flat
     from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest
 
     class CountingCache(_ModelCache):

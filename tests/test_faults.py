@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from fedemu.server.runlog import read_events
-from fedemu.worker import data
+from fedemu.worker.ml import data
 
 from .test_launch import launch, node_pid, processes_of
 from .test_sweep import tiny_mnist

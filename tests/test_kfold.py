@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.worker import kfold
-from fedemu.worker.data import Dataset
+from fedemu.worker.ml import kfold
+from fedemu.worker.ml.data import Dataset
 
 N, K, FOLDS = 70_000, 100, 5
 

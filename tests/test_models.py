@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedemu.worker import models
+from fedemu.worker.ml import models
 
 
 @pytest.mark.parametrize("name, expected", [("2nn", 199_210), ("cnn", 1_663_370)])

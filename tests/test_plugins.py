@@ -31,7 +31,7 @@ def plugin_on_path(monkeypatch):
     monkeypatch.setattr(algorithm, "_registry", dict(algorithm._registry))
     for name in ("trimmedmean", BY_PATH):
         algorithm._registry.pop(name, None)
-    from fedemu.worker import models
+    from fedemu.worker.ml import models
 
     monkeypatch.setattr(models, "_BUILDERS", dict(models._BUILDERS))
     for name in ("mlp100", MODEL_BY_PATH):
@@ -76,7 +76,7 @@ def test_a_plugin_by_entry_point_name(plugin_on_path, monkeypatch, tmp_path):
 
 
 def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatch, tmp_path):
-    from fedemu.worker import models
+    from fedemu.worker.ml import models
 
     assert configuration.load(None, [f"model.name={MODEL_BY_PATH}"])["model"]["name"] == MODEL_BY_PATH
     model = models.build(MODEL_BY_PATH, seed=1)

@@ -23,8 +23,8 @@ from fedemu.server.async_rules import Coop, FedAsync
 from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, _ModelCache
-from fedemu.worker.compression import CompressionSpec
-from fedemu.worker.data import Dataset
+from fedemu.worker.ml.compression import CompressionSpec
+from fedemu.worker.ml.data import Dataset
 from fedemu.worker.protocol import (
     AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload, retry_wait,
 )

@@ -81,8 +81,8 @@ def test_over_selection_keeps_the_first_m_and_discards_the_rest(tmp_path):
 
 def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.data import Dataset
-    from fedemu.worker.models import build, get_flat
+    from fedemu.worker.ml.data import Dataset
+    from fedemu.worker.ml.models import build, get_flat
     from fedemu.worker.protocol import Cancel
     from fedemu.worker.stragglers import StragglerSpec
 

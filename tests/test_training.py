@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedemu.worker import models
-from fedemu.worker.training import (
+from fedemu.worker.ml import models
+from fedemu.worker.ml.training import (
     TrainResult,
     client_update,
     evaluate,
@@ -209,7 +209,7 @@ def _tiny_problem(seed: int = 0, n: int = 12):
 
 
 def test_svrg_pass_matches_a_hand_written_loop():
-    from fedemu.worker import models, training
+    from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem()
     model = models.build("2nn", seed=3)
@@ -237,7 +237,7 @@ def test_svrg_pass_matches_a_hand_written_loop():
 
 def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
     """At w = w_t the variance-reduced direction is exactly grad f(w_t)."""
-    from fedemu.worker import models, training
+    from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem(n=1)
     model, anchor = models.build("2nn", seed=1), models.build("2nn", seed=1)
@@ -249,7 +249,7 @@ def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
 
 
 def test_keras_decay_lowers_each_steps_learning_rate():
-    from fedemu.worker import models, training
+    from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem(n=4)
     decayed = models.build("2nn", seed=5)
@@ -265,7 +265,7 @@ def test_keras_decay_lowers_each_steps_learning_rate():
 
 def test_svrg_fast_mlp_path_equals_the_autograd_path():
     """The 2NN takes an analytic path; it must compute exactly what autograd does."""
-    from fedemu.worker import models, training
+    from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem(seed=4, n=30)
     full = np.random.default_rng(9).standard_normal(199_210).astype(np.float32) * 0.01

@@ -15,16 +15,16 @@ import torch
 from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
-from . import models, training
-from .data import Dataset
+from .ml import models, training
+from .ml.data import Dataset
 from .protocol import (
     GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
-from .compression import UpdateCodec, make_codec, parameter_shapes, update_seed
-from .devices import ComputeModel
+from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
+from .ml.devices import ComputeModel
 from .stragglers import StragglerSpec
-from .structured import compressed_client_update
+from .ml.structured import compressed_client_update
 
 log = logging.getLogger("fedemu.worker")
 

@@ -128,7 +128,7 @@ def run_data(config: dict, dataset):
     clients train on the rest, with the same split in every node (seeded by run.seed:
     each seed is one repetition of k-fold cross-validation).
     """
-    from fedemu.worker.data import Dataset
+    from fedemu.worker.ml.data import Dataset
 
     data, k = config["data"], config["data"].get("folds", 0)
     if not k:
