@@ -64,8 +64,8 @@ def run_case(name: str, spec: dict, rounds: int, dataset, shards) -> dict:
     seed = JOB["seed"]
     train_images, train_labels = dataset["train"]
     test_images, test_labels = dataset["test"]
-    global_model = models.build(JOB["model"], seed=seed)
-    local_model = models.build(JOB["model"])
+    global_model = models.build(JOB["model"], (1, 28, 28), 10, seed=seed)
+    local_model = models.build(JOB["model"], (1, 28, 28), 10)
     weights = models.get_flat(global_model)
     codec = compression.make_codec(spec, compression.parameter_shapes(global_model))
     # The round engine's selection RNG: every case trains the same clients.
@@ -134,8 +134,8 @@ def main() -> None:
 
     loaded = data.load(JOB["dataset"])
     # In memory: each client's shard is indexed sixty times a round per case.
-    dataset = {"train": (np.asarray(loaded.train_images), np.asarray(loaded.train_labels)),
-               "test": (np.asarray(loaded.test_images), np.asarray(loaded.test_labels))}
+    dataset = {"train": (np.asarray(loaded.train_x), np.asarray(loaded.train_y)),
+               "test": (np.asarray(loaded.test_x), np.asarray(loaded.test_y))}
     shards = partition.make("iid", dataset["train"][1], JOB["K"], JOB["seed"])
 
     results = []

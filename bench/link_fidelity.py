@@ -289,13 +289,13 @@ def run_trainer(index: int) -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     dataset = data.load("mnist", progress=lambda *_: None)
-    shards = partition.iid(len(dataset.train_labels), 100, seed=index)
+    shards = partition.iid(len(dataset.train_y), 100, seed=index)
     generator = torch.Generator().manual_seed(index)
     updates = 0
     while True:
         shard = shards[updates % len(shards)]
-        model = models.build("2nn", seed=index)
-        client_update(model, dataset.train_images[shard], dataset.train_labels[shard],
+        model = models.build("2nn", (1, 28, 28), 10, seed=index)
+        client_update(model, dataset.train_x[shard], dataset.train_y[shard],
                       epochs=1, batch_size=10, lr=0.1, generator=generator)
         updates += 1
         if updates == 1:

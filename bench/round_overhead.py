@@ -76,15 +76,16 @@ def plain_loop(rounds: int, threads: int | None) -> dict:
 
     dataset = data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None)
     # Copied into memory, as a plain script would hold it (fedemu's workers index the memory map).
-    train_images, train_labels = np.array(dataset.train_images), np.array(dataset.train_labels)
-    test_images, test_labels = np.array(dataset.test_images), np.array(dataset.test_labels)
+    train_images, train_labels = np.array(dataset.train_x), np.array(dataset.train_y)
+    test_images, test_labels = np.array(dataset.test_x), np.array(dataset.test_y)
     opts = {"shards_per_client": data_cfg["shards_per_client"]} if data_cfg["partition"] == "shards" else {}
     shards = partition.make(data_cfg["partition"], train_labels, clients, seed, **opts)
 
     if algo["name"] != "fedavg":
         raise SystemExit(f"the plain loop is FedAvg only; the default job says {algo['name']!r}")
-    global_model = models.build(config["model"]["name"], seed=seed)  # same initial weights as the server
-    local_model = models.build(config["model"]["name"])  # reused for every client, like a worker's
+    model_spec = configuration.model_spec(config)
+    global_model = model_spec.build(seed=seed)  # same initial weights as the server
+    local_model = model_spec.build()  # reused for every client, like a worker's
     weights = models.get_flat(global_model)
     # The round engine's selection RNG, so the same clients train in every round.
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5E1EC7]))

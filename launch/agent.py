@@ -80,18 +80,25 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         report["torch"] = torch.__version__
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
-    from fedemu.worker.ml import data, models
+    from fedemu.worker.ml import data, datasets, models
 
-    if model is not None:  # worker nodes build it: a plug-in must be importable here too
+    # Worker nodes load the data set and build the model: a plug-in must import here too.
+    try:
+        declared = datasets.get(dataset)
+    except datasets.DatasetError as exc:
+        report["problems"].append(f"cannot use data set {dataset!r} here: {exc}")
+        declared = None
+    if model is not None and declared is not None:
         try:
-            models.build(model, seed=0)
+            models.build(model, declared.input_shape, declared.num_classes, seed=0)
         except Exception as exc:
             report["problems"].append(f"cannot build model {model!r} here: {exc}")
-    try:
-        # Quiet: the preflight's stdout is one JSON line; fetching shows nothing.
-        report["dataset"] = str(data.fetch(dataset, cache_dir or None, progress=lambda _: None))
-    except data.DatasetError as exc:
-        report["problems"].append(f"data set {dataset!r} is neither cached nor fetchable: {exc}")
+    if declared is not None:
+        try:
+            # Quiet: the preflight's stdout is one JSON line; fetching shows nothing.
+            report["dataset"] = str(data.fetch(dataset, cache_dir or None, progress=lambda _: None))
+        except data.DatasetError as exc:
+            report["problems"].append(f"data set {dataset!r} is neither cached nor fetchable: {exc}")
     address = broker_address or _launcher_address()
     report["broker_address"] = address
     if broker_port is not None:

@@ -91,9 +91,9 @@ def data() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Cache folder (default: $FEDEMU_DATA_DIR or ~/.cache/fedemu).")
 @click.option("--force", is_flag=True, help="Fetch again even if a verified copy is cached.")
 def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
-    """Fetch data set NAME (mnist, fashion-mnist), verify it, and cache a converted copy.
-    A cached copy is checked (sizes and sha256 recorded when it was made) and fetched
-    again if damaged."""
+    """Fetch data set NAME (fedemu data list shows them; a plug-in by its entry point or
+    package.module:Class), verify it, and cache a converted copy. A cached copy is
+    checked (sizes and sha256 recorded when it was made) and fetched again if damaged."""
     from fedemu.worker.ml import data as datasets
 
     try:
@@ -105,12 +105,20 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
 
 @data.command("list")
 @click.option("--cache-dir", type=click.Path(file_okay=False))
-def data_list(cache_dir: str | None) -> None:
-    """List the known data sets and whether they are cached."""
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per data set.")
+def data_list(cache_dir: str | None, as_json: bool) -> None:
+    """List the data sets fedemu has and installed plug-ins bring: what each is, and
+    whether it is cached."""
     from fedemu.worker.ml import data as datasets
 
     for entry in datasets.list_datasets(cache_dir):
-        click.echo(json.dumps(entry, default=str))
+        if as_json:
+            click.echo(json.dumps(entry, default=str))
+            continue
+        sizes = entry["sizes"]
+        cached = (f"cached, {sizes['train']:,} train / {sizes['test']:,} test examples in {entry['path']}"
+                  if sizes else "not cached")
+        click.echo(f"{entry['name']:<16} {entry['about']}\n{'':<16} {cached}")
 
 
 @main.command()

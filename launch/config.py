@@ -53,7 +53,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                check=non_negative, rule=">= 0"),
     },
     "data": {
-        "dataset": Key(str, "data set", choices=("mnist", "fashion-mnist")),
+        "dataset": Key(str, "data set: 'mnist' or 'fashion-mnist' (fedemu data list shows them), an installed "
+                       "plug-in's name, or 'package.module:Class' (a fedemu Dataset)"),
         "partition": Key(str, "how the training set is split over clients", choices=("iid", "shards")),
         "clients": Key(int, "number of clients K", check=positive, rule="> 0"),
         "shard_order": Key(str, "partition = 'shards': the order within a label before the cut: 'stable' keeps the "
@@ -246,6 +247,7 @@ def validate(config: dict) -> None:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
+    _check_dataset(config["data"]["dataset"])
     _check_model(config["model"]["name"])
     refusal = algorithm.check_config(config)
     if refusal:
@@ -269,6 +271,33 @@ def validate(config: dict) -> None:
                and not (f.waivable_by and config["algorithm"]["accept_deadlock_risk"])]
     if refused:
         raise ConfigError("; ".join(refused))
+
+
+def _check_dataset(name: str) -> None:
+    from fedemu.worker.ml import datasets  # imports no torch
+
+    try:
+        datasets.get(name)
+    except datasets.DatasetError as exc:
+        raise ConfigError(f"data.dataset: {exc}") from None
+
+
+def data_spec(config: dict):
+    """The run's data (split.DataSpec): the [data] section and run.seed."""
+    from fedemu.worker.ml.split import DataSpec
+
+    d = config["data"]
+    return DataSpec(dataset=d["dataset"], partition=d["partition"], clients=d["clients"], seed=config["run"]["seed"],
+                    shards_per_client=d["shards_per_client"], shard_order=d["shard_order"], folds=d["folds"],
+                    fold=d["fold"], cache_dir=d["cache_dir"] or None)
+
+
+def model_spec(config: dict):
+    """The run's model (models.ModelSpec): model.name built for data.dataset."""
+    from fedemu.worker.ml import datasets, models
+
+    model = config["model"]
+    return models.ModelSpec(model["name"], datasets.get(config["data"]["dataset"]), model["init"], model["init_std"])
 
 
 def _check_model(name: str) -> None:

@@ -107,15 +107,16 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.server import algorithm
     from fedemu.server.async_engine import AsyncEngine
     from fedemu.server.engine import RoundEngine, Settings, Stop
+    from fedemu.launch.config import data_spec, model_spec
     from fedemu.server.runlog import RunLog
-    from fedemu.worker.ml import data, kfold
+    from fedemu.worker.ml import split
     from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
     run, algo = config["run"], config["algorithm"]
     _set_torch_threads(config, 1)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
-    dataset, _ = kfold.run_data(config, data.load(config["data"]["dataset"], config["data"]["cache_dir"] or None))
+    run_data, _ = split.run_data(data_spec(config))
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
     asynchronous = not rule.synchronous
     settings = Settings(
@@ -127,16 +128,15 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
         on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"], merge_s=algo["merge_s"],
-        model_init=config["model"]["init"], model_init_std=config["model"]["init_std"],
     )
     runlog = RunLog(run_dir)
-    model_name = config["model"]["name"]
+    model = model_spec(config)
     if asynchronous:
-        engine = AsyncEngine(settings, rule, model_name, dataset, runlog,
+        engine = AsyncEngine(settings, rule, model, run_data, runlog,
                              lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
     else:
-        engine = RoundEngine(settings, rule, model_name, dataset, runlog)
-    warm_up(dataset, np.arange(10), model_name)  # round 1's evaluation is not a cold start
+        engine = RoundEngine(settings, rule, model, run_data, runlog)
+    warm_up(run_data, np.arange(10), model)  # round 1's evaluation is not a cold start
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)
         runlog.event("machines", **json.loads(machines.read_text()))
@@ -177,28 +177,23 @@ def _compression(config: dict) -> dict | None:
 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
-    from fedemu.launch.config import compute_model, network_parts
-    from fedemu.worker.ml import data, kfold, partition
+    from fedemu.launch.config import compute_model, data_spec, model_spec, network_parts
+    from fedemu.worker.ml import split
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)
     _, stragglers = network_parts(config)
     data_cfg = config["data"]
     _set_torch_threads(config, workers)
-    dataset, shards = kfold.run_data(config, data.load(data_cfg["dataset"], data_cfg["cache_dir"] or None))
-    if shards is None:
-        opts = ({"shards_per_client": data_cfg["shards_per_client"], "images": dataset.train_images,
-                 "order": data_cfg["shard_order"]} if data_cfg["partition"] == "shards" else {})
-        shards = partition.make(data_cfg["partition"], dataset.train_labels, data_cfg["clients"],
-                                config["run"]["seed"], **opts)
+    run_data, shards = split.run_data(data_spec(config))
     node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])
     for sig in STOP_SIGNALS:
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown, a signal).
         signal.signal(sig, lambda signum, _: threading.Thread(
             target=node.close, args=(stop_reason(signum),), daemon=True).start())
-    host_clients(node, dataset, shards, placement(data_cfg["clients"], workers)[index],
-                 config["model"]["name"], startup_timeout=config["run"]["startup_timeout_s"],
+    host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
+                 model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
                  stragglers=stragglers, compute=compute_model(config),
                  restarts=config["run"]["restart_clients"])
     node.wait()

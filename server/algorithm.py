@@ -23,7 +23,6 @@ spot: in the launcher when the config is validated and in the server node that r
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,8 +71,7 @@ class UnknownAlgorithm(plugins.PluginNotFound):
     pass
 
 
-_registry: dict[str, type[Algorithm]] = {}
-_built_ins_loaded = False
+_registry = plugins.Registry("algorithm", ENTRY_POINT_GROUP, BUILT_IN_MODULES, Algorithm, "Strategy or AsyncRule")
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
@@ -82,47 +80,25 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     one meaning whichever algorithm a sweep runs."""
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} has no name")
-    known = _registry.get(cls.name)
-    if known is not None and known is not cls:
-        raise ValueError(f"algorithm {cls.name!r} is registered already, by {known.__module__}.{known.__qualname__}")
     for key, spec in cls.options.items():
-        for other in _registry.values():
+        for other in _registry.classes.values():
             if key in other.options and other.options[key] != spec and other is not cls:
                 raise ValueError(f"{cls.__qualname__} declares algorithm.{key} unlike {other.__qualname__} does; "
                                  f"give the option its own name")
-    _registry[cls.name] = cls
+    _registry.file(cls, cls.name)
     return cls
-
-
-def _load_built_ins() -> None:
-    global _built_ins_loaded
-    if not _built_ins_loaded:
-        _built_ins_loaded = True
-        for module in BUILT_IN_MODULES:
-            importlib.import_module(module)
 
 
 def built_in() -> dict[str, type[Algorithm]]:
-    """Every algorithm fedemu ships, by name: module by module in BUILT_IN_MODULES' order,
-    each module's in the order it registers them (whatever imported what first)."""
-    _load_built_ins()
-    ours = [(name, cls) for name, cls in _registry.items() if cls.__module__ in BUILT_IN_MODULES and cls.name == name]
-    return dict(sorted(ours, key=lambda item: BUILT_IN_MODULES.index(item[1].__module__)))
+    """Every algorithm fedemu ships, by name, in BUILT_IN_MODULES' order."""
+    return _registry.built_in()
 
 
 def get(name: str) -> type[Algorithm]:
-    _load_built_ins()
-    if name in _registry:
-        return _registry[name]
     try:
-        cls = plugins.load(name, "algorithm", ENTRY_POINT_GROUP, "Class", list(built_in()))
+        return _registry.find(name, register)
     except plugins.PluginNotFound as exc:
         raise UnknownAlgorithm(str(exc)) from None
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise UnknownAlgorithm(f"algorithm {name!r} is {cls!r}, not a subclass of fedemu's Strategy or AsyncRule")
-    register(cls)
-    _registry[name] = cls  # also under the name the config used
-    return cls
 
 
 def all_options(extra: type[Algorithm] | None = None) -> dict[str, Key]:

@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
                                     WorkerReady, retry_wait)
 
@@ -47,9 +48,9 @@ log = logging.getLogger("fedemu.server")
 
 
 class AsyncEngine(Engine):
-    def __init__(self, settings: Settings, rule: AsyncRule, model_name: str, dataset: Dataset, runlog: RunLog,
+    def __init__(self, settings: Settings, rule: AsyncRule, model: ModelSpec, data: Data, runlog: RunLog,
                  lr: float, lr_decay: float = 0.0, on_deadlock: str = "stop"):
-        super().__init__(settings, model_name, dataset, runlog)
+        super().__init__(settings, model, data, runlog)
         self.rule = rule
         self.algorithm = rule.name
         self.lr, self.lr_decay = lr, lr_decay

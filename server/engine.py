@@ -29,7 +29,8 @@ import numpy as np
 from fedemu.node import streams
 from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
 from fedemu.worker.ml import models, training
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
@@ -75,8 +76,6 @@ class Settings:
     on_quorum_missed: str = "skip"  # or "extend_once"
     retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
     merge_s: float = 0.0  # asynchronous rules: emulated seconds the server takes per fetch or upload (a queue)
-    model_init: str = "torch"  # the global model's initial weights: models.INITS
-    model_init_std: float = 0.0  # model_init = "normal": their standard deviation
 
     @property
     def per_round(self) -> int:
@@ -98,14 +97,13 @@ class _Totals:
 class Engine:
     algorithm = ""
 
-    def __init__(self, settings: Settings, model_name: str, dataset: Dataset, runlog: RunLog):
+    def __init__(self, settings: Settings, model: ModelSpec, data: Data, runlog: RunLog):
         self.settings = settings
-        self.model = models.build(model_name, seed=settings.seed, init=settings.model_init,
-                                  init_std=settings.model_init_std)
+        self.model = model.build(seed=settings.seed)  # the global model's initial weights
         self.weights = models.get_flat(self.model)
         self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
                       if settings.compression else None)
-        self.dataset = dataset
+        self.data = data
         self.runlog = runlog
         self.pids: dict[int, Pid] = {}
         self.client_of: dict[Pid, int] = {}
@@ -221,7 +219,7 @@ class Engine:
         self.runlog.event("start", emulated_s=self._traffic["emulated_s"], clients=len(self.pids), placement=dict(sorted(ready_nodes.items())), algorithm=self.algorithm,
                           per_round=self.settings.per_round, time_scale=self.settings.time_scale,
                           clock=self.settings.clock,
-                          dataset=self.dataset.name, test_samples=len(self.dataset.test_labels))
+                          dataset=self.data.name, test_samples=len(self.data.test_y))
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float | None = None,
                  wall_timeout: float | None = None):
@@ -280,7 +278,7 @@ class Engine:
 
     def _evaluate(self) -> tuple[float, float]:
         models.set_flat(self.model, self.weights)
-        return training.evaluate(self.model, self.dataset.test_images, self.dataset.test_labels)
+        return training.evaluate(self.model, self.data.test_x, self.data.test_y, dataset=self.data.dataset)
 
     def _traffic_since_last(self, proc: ThreadProcess) -> tuple[dict, dict]:
         """(this period's broker counters, the broker's current view)."""
@@ -316,8 +314,8 @@ class Engine:
 
 
 class RoundEngine(Engine):
-    def __init__(self, settings: Settings, strategy: Strategy, model_name: str, dataset: Dataset, runlog: RunLog):
-        super().__init__(settings, model_name, dataset, runlog)
+    def __init__(self, settings: Settings, strategy: Strategy, model: ModelSpec, data: Data, runlog: RunLog):
+        super().__init__(settings, model, data, runlog)
         self.strategy = strategy
         self.algorithm = strategy.name
         self.over_select, self.on_quorum_missed = settings.over_select, settings.on_quorum_missed

@@ -9,11 +9,15 @@ from fedemu.server.checks import check
 from fedemu.node import Message
 from fedemu.worker.ml import models
 from fedemu.worker.client import Client, _ModelCache, client_generator
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.datasets import get as dataset_named
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
 from fedemu.worker.ml.training import client_update
 
 from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
+
+MNIST = dataset_named("mnist")
 
 
 def upload(update, age, is_delta=False, client=0):
@@ -151,9 +155,9 @@ def test_an_over_active_coop_client_trains_again_from_the_model_its_rule_names(o
     Either way the age sent is the base's, and the iteration count (Keras-style decay)
     runs on across the discarded training."""
     images, labels = _data(20)
-    dataset = Dataset("fake", images, labels, images, labels, 10)
-    base = models.get_flat(models.build("2nn", seed=3))
-    client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
+    dataset = Data("fake", MNIST, images, labels, images, labels)
+    base = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), _ModelCache())
     device = _Outbox()
     device.pid = CLIENT
     start = AsyncStart(rule="coop", asks_age=True, weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
@@ -168,7 +172,7 @@ def test_an_over_active_coop_client_trains_again_from_the_model_its_rule_names(o
     upload = device.sent[-1]
     assert isinstance(upload, Upload) and upload.age == 0
 
-    model = models.build("2nn")
+    model = models.build("2nn", (1, 28, 28), 10)
     models.set_flat(model, base if over_active == "retrain" else trained_once)
     expected = client_update(model, images, labels, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
                              generator=client_generator(RUN_SEED, 2, 0), start_iteration=2)
@@ -187,15 +191,15 @@ def test_normal_init_draws_every_weight_and_bias_from_its_normal():
     argument is the variance): every parameter, biases included, with the given spread;
     deterministic in the seed."""
     std = math.sqrt(0.003)
-    model = models.build("2nn", seed=1, init="normal", init_std=std)
+    model = models.build("2nn", (1, 28, 28), 10, seed=1, init="normal", init_std=std)
     for parameter in model.parameters():
         values = parameter.detach().numpy().ravel()
         assert abs(values.mean()) < 4 * std / math.sqrt(values.size) + 1e-3
         # Five standard errors of a sample standard deviation, sqrt(1 / (2n)) relative.
         assert values.std() == pytest.approx(std, rel=5 / math.sqrt(2 * values.size))
-    again = models.get_flat(models.build("2nn", seed=1, init="normal", init_std=std))
+    again = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=1, init="normal", init_std=std))
     np.testing.assert_array_equal(models.get_flat(model), again)
-    torch_default = models.get_flat(models.build("2nn", seed=1))
+    torch_default = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=1))
     assert abs(torch_default[:784 * 200].std() - std) > 0.02  # PyTorch's own is U(±1/28): std 0.021
     with pytest.raises(configuration.ConfigError, match=r"model\.init"):
         configuration.load(None, ["model.init=xavier"])

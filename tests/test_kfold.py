@@ -5,8 +5,11 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.worker.ml import kfold
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml import kfold, partition, split
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.datasets import get as dataset_named
+
+MNIST = dataset_named("mnist")
 
 N, K, FOLDS = 70_000, 100, 5
 
@@ -86,7 +89,7 @@ def tiny_dataset() -> Dataset:
     # Each image carries its pooled index in pixel (0, 0), so the test can trace it.
     images = rng.integers(0, 255, (100, 28, 28), dtype=np.uint8)
     images[:, 0, 0] = np.arange(100)
-    return Dataset("mnist", images[:80], train_labels, images[80:], test_labels, 10)
+    return Data("mnist", MNIST, images[:80], train_labels, images[80:], test_labels)
 
 
 def run_config(**data) -> dict:
@@ -98,22 +101,26 @@ def run_config(**data) -> dict:
 @pytest.mark.parametrize("partition", ["iid", "shards"])
 def test_run_data_trains_on_k_minus_1_folds_and_tests_on_the_held_out_one(partition):
     dataset = tiny_dataset()
-    view, shards = kfold.run_data(run_config(folds=5, fold=1, partition=partition, shards_per_client=2), dataset)
-    assert len(view.train_labels) == 100 and len(view.test_labels) == 20
+    view, shards = split.split(configuration.data_spec(run_config(folds=5, fold=1, partition=partition,
+                                                                  shards_per_client=2)), dataset)
+    assert len(view.train_y) == 100 and len(view.test_y) == 20
     assert len(shards) == 5 and {len(s) for s in shards} == {16}
-    test_ids = set(view.test_images[:, 0, 0].tolist())
+    test_ids = set(view.test_x[:, 0, 0].tolist())
     train_ids = set(np.concatenate(shards).tolist())
     assert len(train_ids) == 80 and not train_ids & test_ids
     assert train_ids | test_ids == set(range(100))
     # The pooled arrays keep image and label together.
-    assert np.array_equal(view.train_labels[:80], dataset.train_labels)
-    assert np.array_equal(view.train_labels[80:], dataset.test_labels)
+    assert np.array_equal(view.train_y[:80], dataset.train_y)
+    assert np.array_equal(view.train_y[80:], dataset.test_y)
 
 
-def test_run_data_without_folds_changes_nothing():
+def test_without_folds_the_data_is_the_data_set_partitioned():
     dataset = tiny_dataset()
-    view, shards = kfold.run_data(run_config(), dataset)
-    assert view is dataset and shards is None
+    spec = configuration.data_spec(run_config(partition="shards", shards_per_client=2))
+    view, shards = split.split(spec, dataset)
+    assert view is dataset
+    expected = partition.make("shards", dataset.train_y, 5, spec.seed, shards_per_client=2, images=dataset.train_x)
+    assert all(np.array_equal(a, b) for a, b in zip(shards, expected, strict=True))
 
 
 def test_fold_outside_the_folds_is_refused():

@@ -9,12 +9,12 @@ from fedemu.worker.ml import models
 
 @pytest.mark.parametrize("name, expected", [("2nn", 199_210), ("cnn", 1_663_370)])
 def test_parameter_counts_match_the_paper(name, expected):
-    assert models.num_parameters(models.build(name)) == expected
+    assert models.num_parameters(models.build(name, (1, 28, 28), 10)) == expected
 
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_output_is_one_logit_per_class(name):
-    model = models.build(name, seed=0)
+    model = models.build(name, (1, 28, 28), 10, seed=0)
     logits = model(torch.rand(3, 1, 28, 28))
     assert logits.shape == (3, 10)
 
@@ -22,22 +22,22 @@ def test_output_is_one_logit_per_class(name):
 def test_model_names_and_unknown_name():
     assert models.MODEL_NAMES == ("2nn", "cnn")
     with pytest.raises(models.UnknownModel, match="unknown model 'resnet': fedemu has 2nn, cnn"):
-        models.build("resnet")
+        models.build("resnet", (1, 28, 28), 10)
 
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_seeded_build_is_deterministic_and_leaves_global_rng_alone(name):
     state = torch.get_rng_state()
-    first = models.get_flat(models.build(name, seed=11))
-    again = models.get_flat(models.build(name, seed=11))
-    other = models.get_flat(models.build(name, seed=12))
+    first = models.get_flat(models.build(name, (1, 28, 28), 10, seed=11))
+    again = models.get_flat(models.build(name, (1, 28, 28), 10, seed=11))
+    other = models.get_flat(models.build(name, (1, 28, 28), 10, seed=12))
     assert torch.equal(torch.get_rng_state(), state)
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, other)
 
 
 def test_get_flat_is_an_independent_float32_vector_in_parameter_order():
-    model = models.build("2nn", seed=0)
+    model = models.build("2nn", (1, 28, 28), 10, seed=0)
     flat = models.get_flat(model)
 
     assert flat.dtype == np.float32 and flat.ndim == 1 and flat.flags.c_contiguous
@@ -52,8 +52,8 @@ def test_get_flat_is_an_independent_float32_vector_in_parameter_order():
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_set_flat_round_trip(name):
-    source = models.build(name, seed=1)
-    target = models.build(name, seed=2)
+    source = models.build(name, (1, 28, 28), 10, seed=1)
+    target = models.build(name, (1, 28, 28), 10, seed=2)
     images = torch.rand(4, 1, 28, 28)
 
     models.set_flat(target, models.get_flat(source))
@@ -63,11 +63,11 @@ def test_set_flat_round_trip(name):
 
 
 def test_set_flat_accepts_a_read_only_wire_buffer_silently():
-    source = models.build("2nn", seed=1)
+    source = models.build("2nn", (1, 28, 28), 10, seed=1)
     wire = models.get_flat(source).tobytes()
     received = np.frombuffer(wire, dtype=np.float32)
     assert not received.flags.writeable
-    target = models.build("2nn", seed=2)
+    target = models.build("2nn", (1, 28, 28), 10, seed=2)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -77,6 +77,6 @@ def test_set_flat_accepts_a_read_only_wire_buffer_silently():
 
 
 def test_set_flat_rejects_wrong_length():
-    model = models.build("2nn", seed=0)
+    model = models.build("2nn", (1, 28, 28), 10, seed=0)
     with pytest.raises(ValueError, match=r"model needs \(199210,\)"):
         models.set_flat(model, np.zeros(199_209, np.float32))

@@ -1,6 +1,7 @@
-"""Plug-ins: an algorithm and a model from outside fedemu, found by package.module:attr or
-by the fedemu.algorithms and fedemu.models entry points, validated, and run end to end
-(the model is built by the server and by every worker node)."""
+"""Plug-ins: an algorithm, a model and a data set from outside fedemu, found by
+package.module:attr or by the fedemu.algorithms, fedemu.models and fedemu.datasets entry
+points, validated, and run end to end (the server and every worker node load the data
+set and build the model)."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,13 @@ import pytest
 
 from fedemu.launch import config as configuration
 from fedemu.server import algorithm
+from fedemu.server.runlog import read_events
 from fedemu.worker.protocol import TRAIN, TrainReply
 
 PLUGIN = Path(__file__).parent.parent / "examples" / "plugin"
 BY_PATH = "fedemu_example_plugin.algorithms:TrimmedMean"
 MODEL_BY_PATH = "fedemu_example_plugin.models:mlp"
+DATASET_BY_PATH = "fedemu_example_plugin.datasets:Blobs"
 
 
 @pytest.fixture
@@ -28,14 +31,18 @@ def plugin_on_path(monkeypatch):
     # Each test finds the plug-in afresh, as a new process would (the built-ins loaded
     # first, so the registry put back afterwards has them).
     algorithm.built_in()
-    monkeypatch.setattr(algorithm, "_registry", dict(algorithm._registry))
-    for name in ("trimmedmean", BY_PATH):
-        algorithm._registry.pop(name, None)
+    monkeypatch.setattr(algorithm._registry, "classes", {name: cls for name, cls in algorithm._registry.classes.items()
+                                                         if name not in ("trimmedmean", BY_PATH)})
     from fedemu.worker.ml import models
 
     monkeypatch.setattr(models, "_BUILDERS", dict(models._BUILDERS))
     for name in ("mlp100", MODEL_BY_PATH):
         models._BUILDERS.pop(name, None)
+    from fedemu.worker.ml import datasets
+
+    datasets.built_in()
+    monkeypatch.setattr(datasets._registry, "classes", {name: cls for name, cls in datasets._registry.classes.items()
+                                                        if name not in ("blobs", DATASET_BY_PATH)})
 
 
 def _entry_point_dir(tmp_path: Path) -> Path:
@@ -79,7 +86,7 @@ def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatc
     from fedemu.worker.ml import models
 
     assert configuration.load(None, [f"model.name={MODEL_BY_PATH}"])["model"]["name"] == MODEL_BY_PATH
-    model = models.build(MODEL_BY_PATH, seed=1)
+    model = models.build(MODEL_BY_PATH, (1, 28, 28), 10, seed=1)
     assert models.num_parameters(model) == 784 * 100 + 100 + 100 * 10 + 10
     assert model(__import__("torch").zeros(3, 1, 28, 28)).shape == (3, 10)
     with pytest.raises(configuration.ConfigError, match="model.name: unknown model 'mlp100': fedemu has 2nn, cnn"):
@@ -89,6 +96,34 @@ def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatc
         configuration.load(None, ["model.name=fedemu_example_plugin.models:nope"])
     monkeypatch.syspath_prepend(str(_entry_point_dir(tmp_path)))
     assert models.builder("mlp100") is models.builder(MODEL_BY_PATH)
+
+
+def test_a_plugin_data_set_by_module_path_or_entry_point(plugin_on_path, monkeypatch, tmp_path):
+    from fedemu.worker.ml import data, datasets
+
+    with pytest.raises(configuration.ConfigError, match="data.dataset: unknown data set 'blobs': fedemu has "
+                                                        "mnist, fashion-mnist"):
+        configuration.load(None, ["data.dataset=blobs"])
+    config = configuration.load(None, [f"data.dataset={DATASET_BY_PATH}", f"model.name={MODEL_BY_PATH}",
+                                       "data.clients=10"])
+    spec = configuration.model_spec(config)
+    assert spec.dataset.input_shape == (20,) and spec.dataset.num_classes == 4
+    assert spec.build(seed=0)(spec.dataset.inputs(spec.dataset.blank(3))).shape == (3, 4)
+
+    loaded = data.load(DATASET_BY_PATH, cache=tmp_path, progress=lambda _: None)
+    assert loaded.name == "blobs" and loaded.train_x.shape == (2000, 20) and loaded.train_x.dtype == np.float32
+    assert data.folder(DATASET_BY_PATH, tmp_path) == tmp_path / "v2" / "blobs"
+    monkeypatch.syspath_prepend(str(_entry_point_dir(tmp_path)))
+    assert datasets.get("blobs") is datasets.get(DATASET_BY_PATH)
+    listed = {entry["name"]: entry for entry in data.list_datasets(tmp_path)}
+    assert listed["blobs"]["about"] == "Gaussian blobs: inputs 20, 4 classes"
+    assert listed["blobs"]["sizes"] == {"train": 2000, "test": 500}
+
+
+def test_a_data_set_that_is_not_a_data_set_is_refused(plugin_on_path):
+    with pytest.raises(configuration.ConfigError, match="data.dataset: data set 'fedemu_example_plugin.models:mlp' "
+                                                        "is <function mlp .*>, not a subclass of fedemu's Dataset"):
+        configuration.load(None, [f"data.dataset={MODEL_BY_PATH}"])
 
 
 @pytest.mark.mnist
@@ -105,6 +140,20 @@ def test_the_preflight_names_a_plugin_model_the_host_cannot_build(tmp_path):
     found = subprocess.run(argv, env={**env, "PYTHONPATH": str(PLUGIN)}, capture_output=True, text=True, timeout=120)
     assert json.loads(found.stdout)["problems"] == []
     assert preflight("mnist", None, None, None, model="2nn")["problems"] == []
+
+
+def test_the_preflight_names_a_plugin_data_set_the_host_cannot_load(tmp_path):
+    argv = [sys.executable, "-m", "fedemu.launch", "preflight", "--dataset", DATASET_BY_PATH, "--model", "2nn",
+            "--cache-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": ""}
+    missing = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120).stdout)
+    assert missing["problems"] == [f"cannot use data set {DATASET_BY_PATH!r} here: data set {DATASET_BY_PATH!r}: "
+                                   f"cannot import 'fedemu_example_plugin.datasets' (No module named "
+                                   f"'fedemu_example_plugin'); is the package installed, or on PYTHONPATH, on "
+                                   f"this host?"]
+    found = subprocess.run(argv, env={**env, "PYTHONPATH": str(PLUGIN)}, capture_output=True, text=True, timeout=120)
+    report = json.loads(found.stdout)
+    assert report["problems"] == [] and report["dataset"] == str(tmp_path / "v2" / "blobs")
 
 
 def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
@@ -125,19 +174,20 @@ def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
     assert calls == [(TRAIN, 0.1, {"lr_decay": 0.0})]
 
 
-@pytest.mark.mnist
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["module-path", "entry-point"])
 def test_a_plugin_runs_end_to_end_in_real_processes(how, tmp_path):
     """The launcher validates the config, the server node imports the algorithm, and the
-    server and the worker node build the model; each finds them the way a user's install
-    would make them findable."""
+    server and the worker node load the data set and build the model; each finds them the
+    way a user's install would make them findable."""
     paths = [str(PLUGIN)] + ([str(_entry_point_dir(tmp_path))] if how == "entry-point" else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
-    name, model = (BY_PATH, MODEL_BY_PATH) if how == "module-path" else ("trimmedmean", "mlp100")
+    name, model, dataset = ((BY_PATH, MODEL_BY_PATH, DATASET_BY_PATH) if how == "module-path"
+                            else ("trimmedmean", "mlp100", "blobs"))
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "1",
             "--set", f"algorithm.name={name}", "--set", "algorithm.trim=0.2", "--set", f"model.name={model}",
+            "--set", f"data.dataset={dataset}", "--set", f"data.cache_dir='{tmp_path / 'cache'}'",
             "--set", "data.clients=10",
             "--set", "algorithm.C=0.5", "--set", "algorithm.B=50", "--set", "run.rounds=2",
             "--set", "run.target_accuracy=0"]
@@ -145,4 +195,6 @@ def test_a_plugin_runs_end_to_end_in_real_processes(how, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["algorithm"] == "trimmedmean" and summary["rounds"] == 2
-    assert summary["final_accuracy"] > 0.3  # chance is 0.1: the trimmed means learned
+    start = next(event for event in read_events(run_dir) if event["event"] == "start")
+    assert start["dataset"] == "blobs" and start["test_samples"] == 500
+    assert summary["final_accuracy"] > 0.5  # chance is 0.25: the trimmed means learned

@@ -24,7 +24,9 @@ from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, _ModelCache
 from fedemu.worker.ml.compression import CompressionSpec
-from fedemu.worker.ml.data import Dataset
+from fedemu.worker.ml.data import Data
+from fedemu.worker.ml.datasets import get as dataset_named
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import (
     AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload, retry_wait,
 )
@@ -35,12 +37,14 @@ from .test_launch import launch
 from .test_rounds import WAIT, ScriptedProc
 from .test_sweep import tiny_mnist
 
+MNIST = dataset_named("mnist")
+
 CLIENT_0, CLIENT_1 = Pid("worker", 0), Pid("worker", 1)
 
 
 def engine(tmp_path, rule, clients=2, **settings) -> AsyncEngine:
     eng = AsyncEngine(Settings(**{"clients": clients, "seed": RUN_SEED, "rounds": 1, "eval_every": 100,
-                                  "progress_timeout_s": 60.0, **settings}), rule, "2nn", None, RunLog(tmp_path),
+                                  "progress_timeout_s": 60.0, **settings}), rule, ModelSpec("2nn", MNIST), None, RunLog(tmp_path),
                       lr=0.1)
     eng.pids = {k: Pid("worker", k) for k in range(clients)}
     eng.client_of = {pid: k for k, pid in eng.pids.items()}
@@ -208,7 +212,7 @@ class _Device:
 
 def _async_client(stragglers: StragglerSpec = StragglerSpec()) -> tuple[Client, np.ndarray, _Device]:
     images, labels = _data(20)
-    client = Client(0, np.arange(20), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
                     stragglers)
     weights = np.zeros(199_210, dtype=np.float32)  # the 2NN's size
     device = _Device()
@@ -353,9 +357,9 @@ def test_lost_messages_are_resent_merged_once_and_compressed_bases_stay_known(tm
     spec = CompressionSpec(subsample=0.5, rotate=True, bits=8).to_dict()
     eng = engine(tmp_path, Coop(b_l=1, b_u=2), rounds=4, eval_every=2, compression=spec, retry_s=0.2)
     images, labels = _data(40)
-    dataset = Dataset("fake", images, labels, images, labels, 10)
-    eng.dataset = dataset
-    clients = {k: Client(k, np.arange(20 * k, 20 * k + 20), dataset, "2nn", _ModelCache()) for k in (0, 1)}
+    dataset = Data("fake", MNIST, images, labels, images, labels)
+    eng.data = dataset
+    clients = {k: Client(k, np.arange(20 * k, 20 * k + 20), dataset, ModelSpec("2nn", MNIST), _ModelCache()) for k in (0, 1)}
     lose = {("AsyncStart", 1, 1), ("AgeRequest", 0, 2), ("AgeReply", 1, 1), ("Upload", 1, 2), ("ModelReply", 0, 1)}
     loop = LossyLoop(eng, clients, lose)
     status, reason = eng.main(loop)
@@ -385,7 +389,7 @@ def _served_client(procs, stragglers: StragglerSpec, retry_s: float):
     from .test_emulation import Pair, start_broker, wait_for
 
     images, labels = _data(20)
-    client = Client(0, np.arange(20), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
                     stragglers)
     pair = Pair(start_broker(procs, {}))
     pair.client_node.spawn_behaviour(client, name="client/0", link=0)

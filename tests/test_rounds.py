@@ -18,7 +18,11 @@ from fedemu.server.checks import check
 from fedemu.server.engine import RoundEngine, Settings, _RoundBook
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.server.strategies import FedAvg
+from fedemu.worker.ml.datasets import get as dataset_named
+from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
+
+MNIST = dataset_named("mnist")
 
 WAIT = "wait"  # script step: nothing arrives until the current deadline has passed
 
@@ -55,7 +59,7 @@ def reply(k: int, round_: int = 1) -> Message:
 def engine(tmp_path: Path, clients: int = 5, **settings) -> RoundEngine:
     defaults = dict(clients=clients, seed=1, rounds=1, C=0.6, deadline_s=0.05, quorum=1, over_select=0,
                     on_quorum_missed="skip", progress_timeout_s=60.0)
-    eng = RoundEngine(Settings(**{**defaults, **settings}), FedAvg(lr=0.1), "2nn", None, RunLog(tmp_path))
+    eng = RoundEngine(Settings(**{**defaults, **settings}), FedAvg(lr=0.1), ModelSpec("2nn", MNIST), None, RunLog(tmp_path))
     eng.pids = {k: Pid("worker", k) for k in range(clients)}
     eng.live = set(range(clients))
     return eng
@@ -81,7 +85,7 @@ def test_over_selection_keeps_the_first_m_and_discards_the_rest(tmp_path):
 
 def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.ml.data import Dataset
+    from fedemu.worker.ml.data import Data
     from fedemu.worker.ml.models import build, get_flat
     from fedemu.worker.protocol import Cancel
     from fedemu.worker.stragglers import StragglerSpec
@@ -107,10 +111,10 @@ def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), rng.integers(0, 10, 20)
-    client = Client(0, np.arange(20), Dataset("fake", images, labels, images, labels, 10), "2nn", _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
                     StragglerSpec.from_config({"distribution": "fixed", "factor": 10}, 1, 0))
     proc, server = Proc(), Pid("server", 1)
-    weights = get_flat(build("2nn"))
+    weights = get_flat(build("2nn", (1, 28, 28), 10))
     client.handle(proc, Message(server, TrainRequest(round=1, task=TRAIN, weights=weights, epochs=1, batch_size=10,
                                                      lr=0.1, seed=1)))
     delay, body, held = proc.held[-1]

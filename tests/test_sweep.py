@@ -346,7 +346,7 @@ def tiny_mnist(cache: Path, n_train: int = 400, n_test: int = 100) -> None:
         images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
         for i, c in enumerate(labels):
             images[i, 2 + 2 * c: 4 + 2 * c, :] = 220
-        arrays[f"{split}_images"], arrays[f"{split}_labels"] = images, labels
+        arrays[f"{split}_x"], arrays[f"{split}_y"] = images, labels
     data.publish("mnist", arrays, {"source": "synthetic, for tests"}, cache)  # with the sizes and hashes fetch checks
 
 

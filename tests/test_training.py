@@ -7,13 +7,15 @@ import torch
 from torch.nn import functional as F
 
 from fedemu.worker.ml import models
+from fedemu.worker.ml.datasets import get as dataset_named
 from fedemu.worker.ml.training import (
     TrainResult,
     client_update,
     evaluate,
     local_gradient,
-    to_tensor_images,
 )
+
+MNIST = dataset_named("mnist")
 
 
 def _random_data(count: int, seed: int = 0):
@@ -55,33 +57,33 @@ def _reference_client_update(model, images, labels, epochs, batch_size, lr, gene
     return models.get_flat(model), float(np.mean(losses))
 
 
-def test_to_tensor_images_scales_and_shapes():
+def test_mnist_inputs_scale_and_shape():
     images = np.array([[[0] * 28] * 28, [[255] * 28] * 28], dtype=np.uint8)
     images[0, 3, 4] = 51
-    tensor = to_tensor_images(images)
+    tensor = MNIST.inputs(images)
     assert tensor.dtype == torch.float32 and tensor.shape == (2, 1, 28, 28)
     assert tensor[0, 0, 3, 4] == pytest.approx(0.2)
     assert tensor[1].min() == 1.0 and tensor[0].max() == pytest.approx(0.2)
-    flat_rows = to_tensor_images(images.reshape(2, 784))
+    flat_rows = MNIST.inputs(images.reshape(2, 784))
     assert torch.equal(flat_rows, tensor)
 
 
-def test_to_tensor_images_from_read_only_memory_map(tmp_path):
+def test_mnist_inputs_from_read_only_memory_map(tmp_path):
     images, _ = _random_data(5)
     np.save(tmp_path / "images.npy", images)
     mapped = np.load(tmp_path / "images.npy", mmap_mode="r")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tensor = to_tensor_images(mapped[[0, 3]])
-    assert torch.equal(tensor, to_tensor_images(images[[0, 3]]))
+        tensor = MNIST.inputs(mapped[[0, 3]])
+    assert torch.equal(tensor, MNIST.inputs(images[[0, 3]]))
 
 
 @pytest.mark.parametrize("name", ["2nn", "cnn"])
 def test_client_update_equals_hand_written_reference(name):
     # 23 samples in batches of 5: the last batch of each epoch is partial.
     images, labels = _random_data(23)
-    model = models.build(name, seed=0)
-    reference = models.build(name, seed=0)
+    model = models.build(name, (1, 28, 28), 10, seed=0)
+    reference = models.build(name, (1, 28, 28), 10, seed=0)
 
     result = client_update(
         model, images, labels, epochs=2, batch_size=5, lr=0.05,
@@ -105,8 +107,8 @@ def test_client_update_equals_hand_written_reference(name):
 @pytest.mark.parametrize("batch_size", [None, 0, 1000])
 def test_infinite_batch_takes_one_step_per_epoch(batch_size):
     images, labels = _random_data(30)
-    model = models.build("2nn", seed=0)
-    reference = models.build("2nn", seed=0)
+    model = models.build("2nn", (1, 28, 28), 10, seed=0)
+    reference = models.build("2nn", (1, 28, 28), 10, seed=0)
 
     result = client_update(
         model, images, labels, epochs=3, batch_size=batch_size, lr=0.1,
@@ -128,7 +130,7 @@ def test_infinite_batch_takes_one_step_per_epoch(batch_size):
 
 def test_loss_decreases_on_a_separable_problem():
     images, labels = _separable_data(200)
-    model = models.build("2nn", seed=3)
+    model = models.build("2nn", (1, 28, 28), 10, seed=3)
     accuracy_before, loss_before = evaluate(model, images, labels)
 
     result = client_update(
@@ -147,7 +149,7 @@ def test_same_generator_seed_same_weights_other_seed_different():
 
     def train(seed):
         return client_update(
-            models.build("cnn", seed=0), images, labels, epochs=1, batch_size=10, lr=0.1,
+            models.build("cnn", (1, 28, 28), 10, seed=0), images, labels, epochs=1, batch_size=10, lr=0.1,
             generator=torch.Generator().manual_seed(seed),
         ).weights
 
@@ -156,19 +158,19 @@ def test_same_generator_seed_same_weights_other_seed_different():
 
 
 def test_client_update_rejects_empty_or_mismatched_data():
-    model = models.build("2nn", seed=0)
+    model = models.build("2nn", (1, 28, 28), 10, seed=0)
     images, labels = _random_data(4)
     generator = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="at least one sample"):
         client_update(model, images[:0], labels[:0], epochs=1, batch_size=2, lr=0.1, generator=generator)
-    with pytest.raises(ValueError, match="3 images but 4 labels"):
+    with pytest.raises(ValueError, match="3 examples but 4 targets"):
         client_update(model, images[:3], labels, epochs=1, batch_size=2, lr=0.1, generator=generator)
 
 
 def test_local_gradient_equals_full_batch_autograd():
     # 2,345 samples: more than one internal chunk, and a partial last one.
     images, labels = _random_data(2345)
-    model = models.build("2nn", seed=4)
+    model = models.build("2nn", (1, 28, 28), 10, seed=4)
 
     gradient, loss = local_gradient(model, images, labels)
 
@@ -185,7 +187,7 @@ def test_local_gradient_equals_full_batch_autograd():
 
 def test_evaluate_matches_direct_computation_and_restores_mode():
     images, labels = _random_data(53)
-    model = models.build("cnn", seed=2)
+    model = models.build("cnn", (1, 28, 28), 10, seed=2)
     model.train()
 
     accuracy, loss = evaluate(model, images, labels, batch_size=7)
@@ -212,18 +214,18 @@ def test_svrg_pass_matches_a_hand_written_loop():
     from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem()
-    model = models.build("2nn", seed=3)
-    anchor = models.build("2nn", seed=3)
+    model = models.build("2nn", (1, 28, 28), 10, seed=3)
+    anchor = models.build("2nn", (1, 28, 28), 10, seed=3)
     w_t = models.get_flat(model)
-    full, _ = training.local_gradient(models.build("2nn", seed=3), images, labels)
+    full, _ = training.local_gradient(models.build("2nn", (1, 28, 28), 10, seed=3), images, labels)
     full = full * 0.5  # any vector: the pass must add exactly this term
     # h_k = 0.5 / 12: big enough to move, small enough that float32 rounding in a
     # different operation order cannot flip a ReLU and amplify.
     result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
                                 stepsize=0.5, generator=torch.Generator().manual_seed(11))
 
-    reference = models.build("2nn", seed=3)
-    fixed = models.build("2nn", seed=3)
+    reference = models.build("2nn", (1, 28, 28), 10, seed=3)
+    fixed = models.build("2nn", (1, 28, 28), 10, seed=3)
     w = w_t.copy()
     for i in torch.randperm(len(labels), generator=torch.Generator().manual_seed(11)).tolist():
         models.set_flat(reference, w)
@@ -240,7 +242,7 @@ def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
     from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem(n=1)
-    model, anchor = models.build("2nn", seed=1), models.build("2nn", seed=1)
+    model, anchor = models.build("2nn", (1, 28, 28), 10, seed=1), models.build("2nn", (1, 28, 28), 10, seed=1)
     w_t = models.get_flat(model)
     full = np.random.default_rng(2).standard_normal(w_t.size).astype(np.float32)
     result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
@@ -252,11 +254,11 @@ def test_keras_decay_lowers_each_steps_learning_rate():
     from fedemu.worker.ml import models, training
 
     images, labels = _tiny_problem(n=4)
-    decayed = models.build("2nn", seed=5)
+    decayed = models.build("2nn", (1, 28, 28), 10, seed=5)
     training.client_update(decayed, images, labels, epochs=1, batch_size=1, lr=0.1,
                            generator=torch.Generator().manual_seed(1), lr_decay=0.5, start_iteration=2)
     # Same batches by hand: step i uses lr / (1 + 0.5 * (2 + i)).
-    manual = models.build("2nn", seed=5)
+    manual = models.build("2nn", (1, 28, 28), 10, seed=5)
     for i, j in enumerate(torch.randperm(4, generator=torch.Generator().manual_seed(1)).tolist()):
         training.client_update(manual, images[j : j + 1], labels[j : j + 1], epochs=1, batch_size=1,
                                lr=0.1 / (1 + 0.5 * (2 + i)), generator=torch.Generator().manual_seed(0))
@@ -271,7 +273,7 @@ def test_svrg_fast_mlp_path_equals_the_autograd_path():
     full = np.random.default_rng(9).standard_normal(199_210).astype(np.float32) * 0.01
     results = []
     for generic in (False, True):
-        model, anchor = models.build("2nn", seed=6), models.build("2nn", seed=6)
+        model, anchor = models.build("2nn", (1, 28, 28), 10, seed=6), models.build("2nn", (1, 28, 28), 10, seed=6)
         if generic:  # hide the MLP structure so the autograd path runs
             model, anchor = torch.nn.Sequential(model), torch.nn.Sequential(anchor)
         results.append(training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
@@ -286,10 +288,10 @@ def test_fedprox_term_pulls_each_step_toward_the_start_by_lr_mu():
     w2_prox - w2_plain = -lr mu (w1 - w0), whatever the data term is."""
     images, labels = _random_data(20, seed=5)
     lr, mu = 0.1, 0.5
-    start = models.get_flat(models.build("2nn", seed=2))
+    start = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=2))
 
     def train(images, labels, batch_size, prox_mu, seed=9):
-        model = models.build("2nn")
+        model = models.build("2nn", (1, 28, 28), 10)
         models.set_flat(model, start)
         return client_update(model, images, labels, epochs=1, batch_size=batch_size, lr=lr,
                              generator=torch.Generator().manual_seed(seed), prox_mu=prox_mu).weights

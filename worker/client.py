@@ -16,7 +16,8 @@ from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
 from .ml import models, training
-from .ml.data import Dataset
+from .ml.data import Data
+from .ml.models import ModelSpec
 from .protocol import (
     GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
@@ -33,9 +34,9 @@ _CODECS: dict[tuple, UpdateCodec] = {}
 _CODECS_LOCK = threading.Lock()
 
 
-def codec_for(model_name: str, spec: dict, model: torch.nn.Module) -> UpdateCodec:
+def codec_for(model_spec: ModelSpec, spec: dict, model: torch.nn.Module) -> UpdateCodec:
     """One codec per (model, spec) per process: its layer plan is the same for every client."""
-    key = (model_name, tuple(sorted(spec.items())))
+    key = (model_spec, tuple(sorted(spec.items())))
     with _CODECS_LOCK:
         if key not in _CODECS:
             _CODECS[key] = make_codec(spec, parameter_shapes(model))
@@ -62,11 +63,11 @@ def client_generator(seed: int, round_: int, client: int) -> torch.Generator:
 class _ModelCache(threading.local):
     """One model instance per pool thread: weights are loaded into it per request."""
 
-    def get(self, name: str) -> torch.nn.Module:
-        models_by_name = self.__dict__.setdefault("models", {})
-        if name not in models_by_name:
-            models_by_name[name] = models.build(name)
-        return models_by_name[name]
+    def get(self, spec: ModelSpec) -> torch.nn.Module:
+        built = self.__dict__.setdefault("models", {})
+        if spec not in built:
+            built[spec] = spec.build()
+        return built[spec]
 
 
 class Client(Behaviour):
@@ -74,13 +75,13 @@ class Client(Behaviour):
     asynchronous ones an AsyncStart, after which it loops on its own (it then holds its
     local model w_k and age a_k between messages)."""
 
-    def __init__(self, client_id: int, indices: np.ndarray, dataset: Dataset, model_name: str, cache: _ModelCache,
+    def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
                  stragglers: StragglerSpec = StragglerSpec(), compute: ComputeModel = ComputeModel(),
                  anchors: _ModelCache | None = None):
         self.client_id = client_id
         self.indices = indices
-        self.dataset = dataset
-        self.model_name = model_name
+        self.data = data
+        self.model = model
         self._cache = cache
         self._anchors = anchors or _ModelCache()  # FSVRG holds w_t fixed beside the model it updates
         self.stragglers = stragglers
@@ -210,40 +211,42 @@ class Client(Behaviour):
     def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
         """The local work a request asks for, and how long to hold its reply back."""
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
-        model = self._cache.get(self.model_name)
+        model = self._cache.get(self.model)
         models.set_flat(model, request.weights)
-        images, labels = self._data()
+        x, y = self._data()
+        dataset = self.data.dataset
         generator = client_generator(request.seed, request.round, self.client_id)
         encoded = None
         if request.task == TRAIN and request.compression:
             result = compressed_client_update(
-                model, images, labels, codec=codec_for(self.model_name, request.compression, model),
+                model, x, y, codec=codec_for(self.model, request.compression, model),
                 seed=update_seed(request.seed, request.round, self.client_id), epochs=request.epochs,
                 batch_size=request.batch_size, lr=request.lr, generator=generator,
-                lr_decay=request.lr_decay, start_iteration=self.iterations, prox_mu=request.prox_mu)
+                lr_decay=request.lr_decay, start_iteration=self.iterations, prox_mu=request.prox_mu,
+                dataset=dataset)
             self.iterations += result.steps
             update, encoded, loss = None, result.encoded, result.train_loss
         elif request.task == TRAIN:
             result = training.client_update(
-                model, images, labels, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
+                model, x, y, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
                 generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations,
-                prox_mu=request.prox_mu)
+                prox_mu=request.prox_mu, dataset=dataset)
             self.iterations += result.steps
             update, loss = result.weights, result.train_loss
         elif request.task == GRADIENT:
-            update, loss = training.local_gradient(model, images, labels)
+            update, loss = training.local_gradient(model, x, y, dataset)
         elif request.task == SVRG:
-            anchor = self._anchors.get(self.model_name)
+            anchor = self._anchors.get(self.model)
             models.set_flat(anchor, request.weights)
-            result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=request.full_gradient,
-                                        stepsize=request.lr, generator=generator)
+            result = training.svrg_pass(model, x, y, anchor=anchor, full_gradient=request.full_gradient,
+                                        stepsize=request.lr, generator=generator, dataset=dataset)
             update, loss = result.weights, result.train_loss
         else:
             raise ValueError(f"unknown task {request.task!r}")
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
         examples = len(self.indices) * (request.epochs if request.task == TRAIN else 1)
         measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
-        compute_s, hold = self.compute.times(self.model_name, request.task, examples, slowdown, measured_s, cpu_s)
+        compute_s, hold = self.compute.times(self.model, request.task, examples, slowdown, measured_s, cpu_s)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
             num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
@@ -252,7 +255,7 @@ class Client(Behaviour):
         return reply, hold
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.dataset.train_images[self.indices], self.dataset.train_labels[self.indices]
+        return self.data.train_x[self.indices], self.data.train_y[self.indices]
 
     # --- asynchronous rules ---------------------------------------------------------------------
 
@@ -310,7 +313,7 @@ class Client(Behaviour):
 
     def _codec(self, model: torch.nn.Module) -> UpdateCodec | None:
         spec = self._async.compression
-        return codec_for(self.model_name, spec, model) if spec else None
+        return codec_for(self.model, spec, model) if spec else None
 
     def _base_seed(self) -> int:
         # Per base, not per training: a CO-OP client that trains several times before
@@ -337,7 +340,7 @@ class Client(Behaviour):
             _, hold = self._times(slowdown, measured_s, cpu_s)
             self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
-        model = self._cache.get(self.model_name)
+        model = self._cache.get(self.model)
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall
         upload = self._upload(model, 0.0, slowdown)
         # Encoding is the client's work too (measured; the device model charges training).
@@ -347,31 +350,32 @@ class Client(Behaviour):
 
     def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
         """An asynchronous local update's (compute seconds, hold): E epochs of n_k."""
-        return self.compute.times(self.model_name, TRAIN, self._async.epochs * len(self.indices), slowdown,
+        return self.compute.times(self.model, TRAIN, self._async.epochs * len(self.indices), slowdown,
                                   measured_s, cpu_s)
 
     def _local_update(self) -> None:
         """One local update of w_k (E epochs from the current weights); sets _measured."""
         start = self._async
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall
-        model = self._cache.get(self.model_name)
+        model = self._cache.get(self.model)
         models.set_flat(model, self._weights)
-        images, labels = self._data()
+        x, y = self._data()
+        dataset = self.data.dataset
         generator = client_generator(start.seed, self._updates, self.client_id)
         codec = self._codec(model)
         if codec is not None and codec.structured:
             # Train in the restricted space, as FedAvg's clients do.
             result = compressed_client_update(
-                model, images, labels, codec=codec, seed=self._base_seed(), epochs=start.epochs,
+                model, x, y, codec=codec, seed=self._base_seed(), epochs=start.epochs,
                 batch_size=start.batch_size, lr=start.lr, generator=generator, lr_decay=start.lr_decay,
-                start_iteration=self.iterations)
+                start_iteration=self.iterations, dataset=dataset)
             weights = models.get_flat(model)
             # Exact for the delta from the base only if this was the first training from it.
             self._encoded = result.encoded if self._trainings == 1 else None
         else:
             result = training.client_update(
-                model, images, labels, epochs=start.epochs, batch_size=start.batch_size, lr=start.lr,
-                generator=generator, lr_decay=start.lr_decay, start_iteration=self.iterations)
+                model, x, y, epochs=start.epochs, batch_size=start.batch_size, lr=start.lr,
+                generator=generator, lr_decay=start.lr_decay, start_iteration=self.iterations, dataset=dataset)
             weights = result.weights
         self.iterations += result.steps
         self._weights, self._loss = weights, result.train_loss
@@ -406,27 +410,27 @@ class Client(Behaviour):
                 self._trainings = 0
             proc.send(proc.pid, TrainAgain())
         else:
-            self._request(proc, self._upload(self._cache.get(self.model_name), compute_s=0.0))
+            self._request(proc, self._upload(self._cache.get(self.model), compute_s=0.0))
 
 
-def warm_up(dataset: Dataset, indices: np.ndarray, model_name: str) -> float:
+def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec) -> float:
     """Pay torch's one-time start-up costs (seconds on the first step) before the
     node reports ready, so they do not land inside round 1's deadline."""
     started = time.perf_counter()
-    model = models.build(model_name)
+    model = model_spec.build()
     sample = indices[:10]
-    training.client_update(model, dataset.train_images[sample], dataset.train_labels[sample],
-                           epochs=1, batch_size=10, lr=0.0, generator=torch.Generator().manual_seed(0))
-    training.evaluate(model, dataset.test_images[:10], dataset.test_labels[:10])
+    training.client_update(model, data.train_x[sample], data.train_y[sample], epochs=1, batch_size=10, lr=0.0,
+                           generator=torch.Generator().manual_seed(0), dataset=data.dataset)
+    training.evaluate(model, data.test_x[:10], data.test_y[:10], dataset=data.dataset)
     return time.perf_counter() - started
 
 
 def host_clients(
     node: Node,
-    dataset: Dataset,
+    data: Data,
     shards: list[np.ndarray],
     clients: range,
-    model_name: str,
+    model: ModelSpec,
     server: str = "server",
     startup_timeout: float = 120.0,
     stragglers: StragglerSpec = StragglerSpec(),
@@ -437,12 +441,12 @@ def host_clients(
     With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
     times per client, and tells the server its new pid."""
     if len(clients):
-        log.info("warm-up took %.2fs", warm_up(dataset, shards[clients[0]], model_name))
-        compute.prepare(model_name)
+        log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model))
+        compute.prepare(model)
     cache, anchors = _ModelCache(), _ModelCache()
 
     def start_client(k: int) -> Pid:
-        return node.spawn_behaviour(Client(k, shards[k], dataset, model_name, cache, stragglers, compute, anchors))
+        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors))
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from . import models
+from .models import ModelSpec
 
 COMPUTE_CHARGES = ("model", "measured")
 
@@ -32,21 +32,21 @@ COMPUTE_CHARGES = ("model", "measured")
 # An SVRG step takes two gradients per example: at the current weights and at w_t.
 TASK_PASSES = {"train": 1.0, "gradient": 1.0, "svrg": 2.0}
 
-_FLOPS: dict[str, float] = {}
+_FLOPS: dict[ModelSpec, float] = {}
 _FLOPS_LOCK = threading.Lock()
 
 
-def training_flops_per_example(model_name: str) -> float:
-    """FLOPs of one example's forward and backward pass through ``model_name``, counted
-    once per process on a batch of 8 inputs, as ``torch.utils.flop_counter`` counts
-    them (matrix multiplies and convolutions)."""
+def training_flops_per_example(model: ModelSpec) -> float:
+    """FLOPs of one example's forward and backward pass through ``model``, counted once
+    per process on a batch of 8 of its data set's blank examples, as
+    ``torch.utils.flop_counter`` counts them (matrix multiplies and convolutions)."""
     with _FLOPS_LOCK:
-        if model_name not in _FLOPS:
-            model = models.build(model_name, seed=0)
-            inputs = torch.zeros(8, 1, 28, 28)
-            flops = layer_flops(model, inputs)
-            _FLOPS[model_name] = (flops if flops is not None else counted_flops(model, inputs)) / len(inputs)
-        return _FLOPS[model_name]
+        if model not in _FLOPS:
+            built = model.build(seed=0)
+            inputs = model.dataset.inputs(model.dataset.blank(8))
+            flops = layer_flops(built, inputs)
+            _FLOPS[model] = (flops if flops is not None else counted_flops(built, inputs)) / len(inputs)
+        return _FLOPS[model]
 
 
 def counted_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float:
@@ -56,7 +56,10 @@ def counted_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float:
 
     counter = FlopCounterMode(display=False)
     with counter:
-        F.cross_entropy(model(inputs), torch.zeros(len(inputs), dtype=torch.long)).backward()
+        logits = model(inputs)
+        # Any targets do: the count depends on the shapes, not the values.
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                        torch.zeros(logits.numel() // logits.shape[-1], dtype=torch.long)).backward()
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
 
@@ -96,13 +99,13 @@ class ComputeModel:
     charge: str = "model"
     device_flops: float = 1e9
 
-    def prepare(self, model_name: str) -> None:
+    def prepare(self, model: ModelSpec) -> None:
         """Pay the FLOP count's one-time cost (about a second on first use) before the
         run, not inside its first round."""
         if self.clock == "virtual" and self.charge == "model":
-            training_flops_per_example(model_name)
+            training_flops_per_example(model)
 
-    def times(self, model_name: str, task: str, examples: int, slowdown: float, measured_s: float,
+    def times(self, model: ModelSpec, task: str, examples: int, slowdown: float, measured_s: float,
               cpu_s: float) -> tuple[float, float]:
         """(compute seconds the device spends, excluding its straggler factor; emulated
         seconds to hold the reply back). ``examples``: examples processed (E x n_k)."""
@@ -112,6 +115,6 @@ class ComputeModel:
         if self.charge == "measured":
             compute_s = cpu_s
         else:
-            flops = training_flops_per_example(model_name) * TASK_PASSES[task] * examples
+            flops = training_flops_per_example(model) * TASK_PASSES[task] * examples
             compute_s = flops / self.device_flops
         return compute_s, slowdown * compute_s

@@ -117,28 +117,3 @@ def check(config: dict) -> None:
         raise ValueError(f"data.fold = {fold} must be in 0..{folds - 1} (data.folds = {folds})")
     if not folds and fold:
         raise ValueError(f"data.fold = {fold} needs data.folds >= 2 (k-fold cross-validation)")
-
-
-def run_data(config: dict, dataset):
-    """(dataset, client index arrays) for a run; (dataset, None) without k-fold.
-
-    With data.folds = k >= 2 the returned dataset's training arrays are the pooled set
-    (train + test) and its test arrays are the held-out fold data.fold; the client
-    arrays index the pooled set. The server evaluates on the held-out fold and the
-    clients train on the rest, with the same split in every node (seeded by run.seed:
-    each seed is one repetition of k-fold cross-validation).
-    """
-    from fedemu.worker.ml.data import Dataset
-
-    data, k = config["data"], config["data"].get("folds", 0)
-    if not k:
-        return dataset, None
-    check(config)
-    images = np.concatenate([dataset.train_images, dataset.test_images])
-    labels = np.concatenate([dataset.train_labels, dataset.test_labels])
-    split = make(data["partition"], labels, k, data["clients"], config["run"]["seed"], data["shards_per_client"],
-                 images=images, order=data["shard_order"])
-    test = split.test(data["fold"])
-    view = Dataset(name=f"{dataset.name} fold {data['fold']} of {k}", train_images=images, train_labels=labels,
-                   test_images=images[test], test_labels=labels[test], num_classes=dataset.num_classes)
-    return view, split.train(data["fold"])

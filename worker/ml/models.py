@@ -3,12 +3,14 @@ flat-vector weights.
 
 A model is a builder, ``builder(input_shape, num_classes) -> nn.Module``, found by
 ``model.name``: a built-in (``2nn``, ``cnn``), an installed package's ``fedemu.models``
-entry point, or ``package.module:function``. Every process that trains or evaluates
-builds it (the server and each worker node), so over ``--machines`` each host's
-preflight checks that it can import it. A model takes (n, *input_shape) float inputs
-(images: (n, 1, 28, 28)) and returns (n, num_classes) logits; softmax is left to the
-cross-entropy loss. Weights cross the wire as one float32 vector in
-``model.parameters()`` order, which is fixed by the module definitions.
+entry point, or ``package.module:function``. It is built for the run's data set, whose
+declaration gives the input shape and the number of classes (:class:`ModelSpec`).
+Every process that trains or evaluates builds it (the server and each worker node), so
+over ``--machines`` each host's preflight checks that it can import it. A model takes
+the data set's input tensors, (n, *input_shape), and returns (n, num_classes) logits (or
+(n, T, num_classes) for a sequence of targets); softmax is left to the cross-entropy
+loss. Weights cross the wire as one float32 vector in ``model.parameters()`` order,
+which is fixed by the module definitions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -25,16 +28,17 @@ from fedemu.node import plugins, streams
 if TYPE_CHECKING:
     from torch import nn
 
+    from .datasets import Dataset
+
 # torch is imported inside the functions that use it: resolving a model's name
 # (config validation in the launcher) must not cost the launcher torch's import.
 
 ENTRY_POINT_GROUP = "fedemu.models"
-MNIST_SHAPE, MNIST_CLASSES = (1, 28, 28), 10
 
 Builder = Callable[..., "nn.Module"]  # builder(input_shape=(C, H, W), num_classes=N)
 
 
-def _two_layer_mlp(input_shape=MNIST_SHAPE, num_classes=MNIST_CLASSES) -> nn.Module:
+def _two_layer_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     from torch import nn
 
     # "2NN": two hidden layers of 200 units; on MNIST 199,210 parameters.
@@ -48,9 +52,11 @@ def _two_layer_mlp(input_shape=MNIST_SHAPE, num_classes=MNIST_CLASSES) -> nn.Mod
     )
 
 
-def _cnn(input_shape=MNIST_SHAPE, num_classes=MNIST_CLASSES) -> nn.Module:
+def _cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     from torch import nn
 
+    if len(input_shape) != 3:
+        raise ValueError(f"the CNN takes images (channels, height, width), not inputs of shape {input_shape}")
     # Padding 2 keeps H x W through each 5x5 conv, so after two 2x2 pools the feature
     # map is H/4 x W/4 x 64 (MNIST: 7x7x64 = 3136; 1,663,370 parameters in all).
     channels, height, width = input_shape
@@ -93,9 +99,26 @@ def builder(name: str) -> Builder:
 INITS = ("torch", "normal")
 
 
-def build(name: str, seed: int | None = None, init: str = "torch", init_std: float = 0.0,
-          input_shape: tuple[int, ...] = MNIST_SHAPE, num_classes: int = MNIST_CLASSES) -> nn.Module:
-    """A fresh model; with ``seed``, its initial weights are deterministic.
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a run trains: ``model.name`` built for the run's data set (its input shape
+    and classes), initialised by ``model.init``. Built once from the config; every process
+    that trains or evaluates builds its model from it."""
+
+    name: str
+    dataset: Dataset
+    init: str = "torch"
+    init_std: float = 0.0
+
+    def build(self, seed: int | None = None) -> nn.Module:
+        return build(self.name, self.dataset.input_shape, self.dataset.num_classes, seed=seed,
+                     init=self.init, init_std=self.init_std)
+
+
+def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int | None = None,
+          init: str = "torch", init_std: float = 0.0) -> nn.Module:
+    """A fresh model for inputs of ``input_shape`` and ``num_classes`` classes; with
+    ``seed``, its initial weights are deterministic.
 
     ``init = "torch"`` keeps PyTorch's per-layer defaults; ``"normal"`` draws every weight
     and bias from N(0, init_std^2), as Nilsson et al.'s server did (``random_fc_model``

@@ -21,7 +21,8 @@ from torch.func import functional_call
 
 from .compression import LOW_RANK, RANDOM_MASK, UpdateCodec, low_rank_product
 from .models import get_flat
-from .training import _prepared, client_update, sgd_epochs
+from .datasets import Dataset
+from .training import IMAGES, _prepared, client_update, sgd_epochs
 
 
 class _Mask(NamedTuple):
@@ -53,8 +54,8 @@ class CompressedResult:
 
 def compressed_client_update(
     model: nn.Module,
-    images_u8: np.ndarray,
-    labels: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
     *,
     codec: UpdateCodec,
     seed: int,
@@ -65,6 +66,7 @@ def compressed_client_update(
     lr_decay: float = 0.0,
     start_iteration: int = 0,
     prox_mu: float = 0.0,
+    dataset: Dataset = IMAGES,
 ) -> CompressedResult:
     """Train from the weights ``model`` holds (w_global) and return the encoded update.
 
@@ -75,9 +77,9 @@ def compressed_client_update(
     """
     start_weights = get_flat(model)
     if not codec.structured:
-        result = client_update(model, images_u8, labels, epochs=epochs, batch_size=batch_size,
+        result = client_update(model, x, y, epochs=epochs, batch_size=batch_size,
                                lr=lr, generator=generator, lr_decay=lr_decay,
-                               start_iteration=start_iteration, prox_mu=prox_mu)
+                               start_iteration=start_iteration, prox_mu=prox_mu, dataset=dataset)
         delta = result.weights - start_weights
         started = time.perf_counter()
         encoded = codec.encode(delta, seed)
@@ -85,13 +87,13 @@ def compressed_client_update(
                                 time.perf_counter() - started)
     if prox_mu:  # config.py refuses FedProx with structured updates
         raise ValueError("a structured update has no proximal term; use sketched compression with FedProx")
-    return _restricted_update(model, images_u8, labels, codec, seed, start_weights,
-                              epochs, batch_size, lr, generator, lr_decay, start_iteration)
+    return _restricted_update(model, x, y, codec, seed, start_weights,
+                              epochs, batch_size, lr, generator, lr_decay, start_iteration, dataset)
 
 
-def _restricted_update(model, images_u8, labels, codec, seed, start_weights,
-                       epochs, batch_size, lr, generator, lr_decay, start_iteration) -> CompressedResult:
-    count, batch, inputs, targets = _prepared(images_u8, labels, epochs, batch_size)
+def _restricted_update(model, x, y, codec, seed, start_weights,
+                       epochs, batch_size, lr, generator, lr_decay, start_iteration, dataset) -> CompressedResult:
+    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset)
 
     named = list(model.named_parameters())
     if len(named) != len(codec.layers):
@@ -133,7 +135,7 @@ def _restricted_update(model, images_u8, labels, codec, seed, start_weights,
 
     steps, epoch_losses = sgd_epochs(forward, trainable, inputs, targets, batch=batch, epochs=epochs, lr=lr,
                                      generator=generator, lr_decay=lr_decay, start_iteration=start_iteration,
-                                     after_backward=mask_gradients)
+                                     after_backward=mask_gradients, dataset=dataset)
 
     # The low_rank delta is defined by the same product the server computes, and
     # the model is left at w_global + that delta.

@@ -2,8 +2,10 @@
 
 ``client_update`` is Algorithm 1's ClientUpdate (FedAvg), ``local_gradient``
 is what a client sends in FedSGD, ``evaluate`` scores a model on a set.
-Images arrive as uint8 (n, 28, 28) arrays, typically slices of a
-memory-mapped data set; labels as integer arrays.
+Examples ``x`` and targets ``y`` arrive as stored in the cache, typically slices of a
+memory-mapped data set; ``dataset`` (its declaration, ``datasets.Dataset``) says how
+they become tensors, how a training batch is augmented and how the loss is scored.
+Without one they are uint8 images of any size (``IMAGES``).
 
 The thread count is deliberately left alone: the node decides it.
 """
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .datasets import Dataset, ImageDataset
 from .models import get_flat
 
 # Chunk size for full-data passes: bounds activation memory on big clients.
@@ -60,39 +63,42 @@ class TrainResult:
     steps: int  # SGD steps taken over all epochs
 
 
-def to_tensor_images(images_uint8: np.ndarray) -> torch.Tensor:
-    """uint8 images (n, 28, 28) or (n, 784) -> float32 (n, 1, 28, 28) in [0, 1]."""
-    images = np.asarray(images_uint8)
-    # One allocation: astype copies into a fresh writable buffer (also off
-    # any read-only memory map), then the division happens in place.
-    floats = images.astype(np.float32)
-    np.divide(floats, 255.0, out=floats)
-    return torch.from_numpy(floats).view(-1, 1, 28, 28)
+class _Images(ImageDataset):
+    """uint8 grey or colour images of any size: (n, H, W) -> (n, 1, H, W), (n, C, H, W) as
+    is, in [0, 1]. Not registered: the conversion for callers that name no data set."""
+
+    def inputs(self, x: np.ndarray, train: bool = False) -> torch.Tensor:
+        x = np.asarray(x)
+        if x.ndim < 3:
+            raise ValueError(f"images of shape {x.shape[1:]}: name the data set, whose input_shape says "
+                             "how to lay them out")
+        floats = x.astype(np.float32)
+        np.divide(floats, 255.0, out=floats)
+        return torch.from_numpy(floats).view(len(x), -1, *x.shape[-2:])
 
 
-def _to_tensor_labels(labels: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(labels).astype(np.int64))
+IMAGES = _Images()
 
 
-def _check_local_data(images_u8: np.ndarray, labels: np.ndarray) -> int:
-    count = len(labels)
+def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
+    count = len(y)
     if count == 0:
         raise ValueError("a client needs at least one sample")
-    if len(images_u8) != count:
-        raise ValueError(f"{len(images_u8)} images but {count} labels")
+    if len(x) != count:
+        raise ValueError(f"{len(x)} examples but {count} targets")
     return count
 
 
-def _prepared(images_u8: np.ndarray, labels: np.ndarray, epochs: int, batch_size: int | None):
-    """Checked arguments of a ClientUpdate: (n, batch size, input tensor, label tensor)."""
-    count = _check_local_data(images_u8, labels)
+def _prepared(x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None, dataset: Dataset):
+    """Checked arguments of a ClientUpdate: (n, batch size, input tensor, target tensor)."""
+    count = _check_local_data(x, y)
     if epochs <= 0:
         raise ValueError(f"epochs must be positive, got {epochs}")
     if batch_size is not None and batch_size < 0:
         raise ValueError(f"batch_size must be None, 0 or positive, got {batch_size}")
     batch = count if not batch_size else min(batch_size, count)
     # Converted once per call, not per batch.
-    return count, batch, to_tensor_images(images_u8), _to_tensor_labels(labels)
+    return count, batch, dataset.inputs(x, train=True), dataset.targets(y)
 
 
 def sgd_epochs(
@@ -108,15 +114,18 @@ def sgd_epochs(
     lr_decay: float = 0.0,
     start_iteration: int = 0,
     after_backward: Callable[[], None] | None = None,
+    dataset: Dataset = IMAGES,
 ) -> tuple[int, list[float]]:
     """Algorithm 1's inner loops: E epochs, each a fresh permutation from ``generator``
     cut into minibatches; one plain SGD step (no momentum, no weight decay) per batch.
-    ``after_backward`` may edit gradients (a structured update's mask). Returns the
+    ``after_backward`` may edit gradients (a structured update's mask). A data set that
+    augments transforms each batch with draws from ``generator`` too. Returns the
     steps taken and the last epoch's minibatch losses."""
     # The step by hand, as torch.optim.SGD does it on CPU (param += -lr * grad): its first
     # use imports torch._dynamo, seconds of start-up in every node process.
     params = list(parameters)
     count = len(targets)
+    augments = dataset.augments
     steps = 0
     epoch_losses: list[float] = []
     for _ in range(epochs):
@@ -128,7 +137,10 @@ def sgd_epochs(
             step_lr = lr / (1.0 + lr_decay * (start_iteration + steps)) if lr_decay else lr
             for p in params:
                 p.grad = None
-            loss = F.cross_entropy(forward(inputs[chosen]), targets[chosen])
+            batch_inputs = inputs[chosen]
+            if augments:
+                batch_inputs = dataset.augment(batch_inputs, generator)
+            loss = dataset.loss(forward(batch_inputs), targets[chosen])
             loss.backward()
             if after_backward is not None:
                 after_backward()
@@ -143,8 +155,8 @@ def sgd_epochs(
 
 def client_update(
     model: nn.Module,
-    images_u8: np.ndarray,
-    labels: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
     *,
     epochs: int,
     batch_size: int | None,
@@ -153,6 +165,7 @@ def client_update(
     lr_decay: float = 0.0,
     start_iteration: int = 0,
     prox_mu: float = 0.0,
+    dataset: Dataset = IMAGES,
 ) -> TrainResult:
     """Run E epochs of minibatch SGD on the local data, starting from ``model``.
 
@@ -167,13 +180,14 @@ def client_update(
     ``prox_mu`` > 0 adds FedProx's proximal term mu/2 ||w - w_start||^2 to the objective:
     mu (w - w_start) joins every gradient (the reported loss is the data term alone).
     """
-    count, batch, inputs, targets = _prepared(images_u8, labels, epochs, batch_size)
+    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset)
     model.train()
     params = list(model.parameters())
     steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
                                      lr=lr, generator=generator, lr_decay=lr_decay,
                                      start_iteration=start_iteration,
-                                     after_backward=_proximal_term(params, prox_mu) if prox_mu else None)
+                                     after_backward=_proximal_term(params, prox_mu) if prox_mu else None,
+                                     dataset=dataset)
     return TrainResult(
         weights=get_flat(model),
         num_samples=count,
@@ -194,66 +208,75 @@ def _proximal_term(params: list[torch.Tensor], mu: float) -> Callable[[], None]:
 
 
 def local_gradient(
-    model: nn.Module, images_u8: np.ndarray, labels: np.ndarray
+    model: nn.Module, x: np.ndarray, y: np.ndarray, dataset: Dataset = IMAGES
 ) -> tuple[np.ndarray, float]:
-    """The flat gradient of the mean loss over all local data, and that loss.
+    """The flat gradient of the mean loss over all local data, and that loss (the mean
+    over scored targets: every example's, or every unpadded position's).
 
     Computed in chunks whose summed losses are backpropagated, so gradients
     accumulate to exactly the full-batch sum before the one division by n.
     """
-    count = _check_local_data(images_u8, labels)
-    targets = _to_tensor_labels(labels)
+    count = _check_local_data(x, y)
+    targets = dataset.targets(y)
+    scored = int(dataset.scored(targets).sum())
+    if scored == 0:
+        raise ValueError("no scored target in the local data (all padding)")
     model.train()
     model.zero_grad(set_to_none=True)
     total_loss = 0.0
     for start in range(0, count, _FULL_PASS_CHUNK):
         _stop_point()
         stop = min(start + _FULL_PASS_CHUNK, count)
-        inputs = to_tensor_images(images_u8[start:stop])
-        loss_sum = F.cross_entropy(model(inputs), targets[start:stop], reduction="sum")
+        loss_sum = dataset.loss(model(dataset.inputs(x[start:stop])), targets[start:stop], reduction="sum")
         loss_sum.backward()
         total_loss += loss_sum.item()
 
     parameters = list(model.parameters())
     gradient = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
-    gradient.div_(count)
+    gradient.div_(scored)
     # Leave no gradients behind: a later optimizer step must not reuse them.
     model.zero_grad(set_to_none=True)
-    return gradient.numpy(), total_loss / count
+    return gradient.numpy(), total_loss / scored
 
 
 def evaluate(
-    model: nn.Module, images_u8: np.ndarray, labels: np.ndarray, batch_size: int = 2000
+    model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 2000, dataset: Dataset = IMAGES
 ) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on the given set."""
-    count = _check_local_data(images_u8, labels)
+    """(accuracy, mean cross-entropy) of ``model`` on the given set, over its scored
+    targets (every example's; for sequences, every position but padding)."""
+    count = _check_local_data(x, y)
     was_training = model.training
     model.eval()
-    correct = 0
+    correct = scored = 0
     total_loss = 0.0
     try:
         with torch.no_grad():
             for start in range(0, count, batch_size):
                 stop = min(start + batch_size, count)
                 # Converted per batch: a test set may be a large memory map.
-                logits = model(to_tensor_images(images_u8[start:stop]))
-                targets = _to_tensor_labels(labels[start:stop])
-                total_loss += F.cross_entropy(logits, targets, reduction="sum").item()
-                correct += int((logits.argmax(dim=1) == targets).sum())
+                logits = model(dataset.inputs(x[start:stop]))
+                targets = dataset.targets(y[start:stop])
+                keep = dataset.scored(targets)
+                total_loss += dataset.loss(logits, targets, reduction="sum").item()
+                correct += int(((logits.argmax(dim=-1) == targets) & keep).sum())
+                scored += int(keep.sum())
     finally:
         model.train(was_training)
-    return correct / count, total_loss / count
+    if scored == 0:
+        raise ValueError("no scored target in the evaluation set (all padding)")
+    return correct / scored, total_loss / scored
 
 
 def svrg_pass(
     model: nn.Module,
-    images_u8: np.ndarray,
-    labels: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
     *,
     anchor: nn.Module,
     full_gradient: np.ndarray,
     stepsize: float,
     generator: torch.Generator,
+    dataset: Dataset = IMAGES,
 ) -> TrainResult:
     """One FSVRG client pass (Nilsson et al. 2018, Algorithm 2, lines 7-11).
 
@@ -261,9 +284,9 @@ def svrg_pass(
     random permutation of the n_k local samples, one update per sample:
     w <- w - h_k * (grad f_i(w) - grad f_i(w_t) + grad f(w_t)), with h_k = stepsize / n_k.
     """
-    count = _check_local_data(images_u8, labels)
-    inputs = to_tensor_images(images_u8)
-    targets = _to_tensor_labels(labels)
+    count = _check_local_data(x, y)
+    inputs = dataset.inputs(x, train=True)
+    targets = dataset.targets(y)
     params = list(model.parameters())
     full = torch.from_numpy(np.asarray(full_gradient, dtype=np.float32))
     # The full gradient, split into views shaped like each parameter.
@@ -277,24 +300,25 @@ def svrg_pass(
     order = torch.randperm(count, generator=generator).tolist()
     model.train()
     anchor.train()
-    linears = _plain_mlp(model)
+    # The by-hand fast path computes the cross-entropy's gradient itself.
+    linears = _plain_mlp(model) if dataset.plain_classification else None
     if linears is not None:
         losses = _svrg_mlp(linears, _plain_mlp(anchor), inputs, targets, order, full_views, h_k)
     else:
-        losses = _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k)
+        losses = _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k, dataset)
     return TrainResult(weights=get_flat(model), num_samples=count,
                        train_loss=float(np.mean(losses)), steps=count)
 
 
-def _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k) -> list[float]:
+def _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k, dataset: Dataset) -> list[float]:
     params, anchor_params = list(model.parameters()), list(anchor.parameters())
     losses = []
     for i in order:
         _stop_point()
         x, y = inputs[i : i + 1], targets[i : i + 1]
-        loss = F.cross_entropy(model(x), y)
+        loss = dataset.loss(model(x), y)
         grads = torch.autograd.grad(loss, params)
-        anchor_grads = torch.autograd.grad(F.cross_entropy(anchor(x), y), anchor_params)
+        anchor_grads = torch.autograd.grad(dataset.loss(anchor(x), y), anchor_params)
         with torch.no_grad():
             for p, g, g0, G in zip(params, grads, anchor_grads, full_views):
                 p.sub_(h_k * (g - g0 + G))
