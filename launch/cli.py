@@ -121,6 +121,31 @@ def data_list(cache_dir: str | None, as_json: bool) -> None:
         click.echo(f"{entry['name']:<16} {entry['about']}\n{'':<16} {cached}")
 
 
+@data.command("stats")
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override a config entry.")
+@click.option("--clients", "shown", type=int, default=10, show_default=True,
+              help="Clients listed one by one (the summary covers all).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per client.")
+def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, as_json: bool) -> None:
+    """How a run's config splits its data over the clients: examples and labels per client,
+    exactly as the worker nodes will cut it (same seed, same partition)."""
+    from fedemu.worker.ml import datasets as registry, split
+
+    try:
+        config = configuration.load(config_file, list(overrides))
+        spec = configuration.data_spec(config)
+        run_data, shares = split.run_data(spec, progress=lambda line: click.echo(line, err=True))
+    except (configuration.ConfigError, registry.DatasetError, ValueError) as exc:
+        raise _config_error(exc) from None
+    stats = split.share_stats(run_data, shares)
+    if as_json:
+        for row in stats:
+            click.echo(json.dumps(row))
+        return
+    click.echo(split.describe_shares(spec, run_data, stats, shown))
+
+
 @main.command()
 @click.option("--bind", required=True, help="tcp://HOST:PORT to listen on (port 0: any free port).")
 @click.option("--endpoint-file", type=click.Path(dir_okay=False, path_type=Path), help="Write the bound address here.")

@@ -55,7 +55,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "data": {
         "dataset": Key(str, "data set: 'mnist' or 'fashion-mnist' (fedemu data list shows them), an installed "
                        "plug-in's name, or 'package.module:Class' (a fedemu Dataset)"),
-        "partition": Key(str, "how the training set is split over clients", choices=("iid", "shards")),
+        "partition": Key(str, "how the training set is split over clients: 'iid', 'shards' (McMahan's pathological "
+                         "non-IID), 'dirichlet' (label skew, Hsu et al. 2019), 'lognormal' (quantity skew) or "
+                         "'natural' (the data set's own clients)",
+                         choices=("iid", "shards", "dirichlet", "lognormal", "natural")),
+        "dirichlet_alpha": Key(float, "partition = 'dirichlet': the concentration alpha (small: few classes per "
+                               "client; large: close to IID)", check=lambda a: a > 0, rule="> 0"),
+        "lognormal_sigma": Key(float, "partition = 'lognormal': the spread sigma of log client sizes",
+                               check=lambda s: s > 0, rule="> 0"),
         "clients": Key(int, "number of clients K", check=positive, rule="> 0"),
         "shard_order": Key(str, "partition = 'shards': the order within a label before the cut: 'stable' keeps the "
                            "data set's (or the k-fold shuffle's) order; 'pixels' sorts by the raw image bytes, as "
@@ -247,7 +254,7 @@ def validate(config: dict) -> None:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
-    _check_dataset(config["data"]["dataset"])
+    _check_dataset(config["data"])
     _check_model(config["model"]["name"])
     refusal = algorithm.check_config(config)
     if refusal:
@@ -273,13 +280,16 @@ def validate(config: dict) -> None:
         raise ConfigError("; ".join(refused))
 
 
-def _check_dataset(name: str) -> None:
+def _check_dataset(data: dict) -> None:
     from fedemu.worker.ml import datasets  # imports no torch
 
     try:
-        datasets.get(name)
+        dataset = datasets.get(data["dataset"])
     except datasets.DatasetError as exc:
         raise ConfigError(f"data.dataset: {exc}") from None
+    if data["partition"] == "natural" and not dataset.natural_clients:
+        raise ConfigError(f"data.partition = 'natural': {data['dataset']} has no natural clients; use 'iid', "
+                          "'shards', 'dirichlet' or 'lognormal'")
 
 
 def data_spec(config: dict):
@@ -288,7 +298,8 @@ def data_spec(config: dict):
 
     d = config["data"]
     return DataSpec(dataset=d["dataset"], partition=d["partition"], clients=d["clients"], seed=config["run"]["seed"],
-                    shards_per_client=d["shards_per_client"], shard_order=d["shard_order"], folds=d["folds"],
+                    shards_per_client=d["shards_per_client"], shard_order=d["shard_order"],
+                    dirichlet_alpha=d["dirichlet_alpha"], lognormal_sigma=d["lognormal_sigma"], folds=d["folds"],
                     fold=d["fold"], cache_dir=d["cache_dir"] or None)
 
 
@@ -320,8 +331,13 @@ def ineffective_keys(config: dict) -> set[str]:
     except UnknownAlgorithm:  # a plug-in this machine cannot import: assume every option matters
         own = set(all_options())
     keys = {f"algorithm.{key}" for key in all_options() if key not in own}
-    if config.get("data", {}).get("partition") != "shards":
+    partition = config.get("data", {}).get("partition")
+    if partition != "shards":
         keys |= {"data.shards_per_client", "data.shard_order"}
+    if partition != "dirichlet":
+        keys.add("data.dirichlet_alpha")
+    if partition != "lognormal":
+        keys.add("data.lognormal_sigma")
     return keys
 
 

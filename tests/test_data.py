@@ -462,7 +462,113 @@ def test_make_dispatches_and_validates():
     np.testing.assert_array_equal(
         partition.make("shards", labels, 10, seed=4)[0], partition.shards(labels, 10, 2, seed=4)[0]
     )
-    with pytest.raises(ValueError, match="allowed: iid, shards"):
-        partition.make("dirichlet", labels, 10, seed=0)
+    with pytest.raises(ValueError, match="allowed: iid, shards, dirichlet, lognormal, natural"):
+        partition.make("pathological", labels, 10, seed=0)
     with pytest.raises(ValueError, match="no options"):
         partition.make("iid", labels, 10, seed=0, shards_per_client=2)
+    with pytest.raises(ValueError, match=r"partition 'dirichlet' takes only alpha, got \['sigma'\]"):
+        partition.make("dirichlet", labels, 10, seed=0, sigma=1.0)
+    with pytest.raises(ValueError, match="needs a data set with natural clients"):
+        partition.make("natural", labels, 10, seed=0)
+
+
+def _class_shares(labels, parts, classes=10):
+    return np.array([np.bincount(labels[part], minlength=classes) / len(part) for part in parts])
+
+
+def test_dirichlet_gives_equal_disjoint_covering_shares_skewed_by_alpha():
+    labels = np.repeat(np.arange(10), MNIST_LABEL_COUNTS)
+    np.random.default_rng(2).shuffle(labels)
+    skewed = partition.dirichlet(labels, 100, alpha=0.1, seed=3)
+    _assert_disjoint_cover(skewed, 60_000)
+    assert {len(part) for part in skewed} == {600}
+    near_iid = partition.dirichlet(labels, 100, alpha=1000.0, seed=3)
+    _assert_disjoint_cover(near_iid, 60_000)
+    # alpha = 0.1 puts most of a client's mass on one or two classes; alpha = 1000 follows
+    # the data set's class frequencies up to sampling noise (600 draws: sd < 0.013), but
+    # for the last clients to fill, which take what the others left.
+    assert np.median(_class_shares(labels, skewed).max(axis=1)) > 0.7
+    prior = np.array(MNIST_LABEL_COUNTS) / 60_000
+    assert np.quantile(np.abs(_class_shares(labels, near_iid) - prior).max(axis=1), 0.95) < 0.06
+    assert np.median([len(np.unique(labels[p])) for p in skewed]) < np.median([len(np.unique(labels[p]))
+                                                                                for p in near_iid])
+
+
+def test_dirichlet_is_seeded_and_refuses_bad_input():
+    labels = np.repeat(np.arange(10), 60)
+    first, again, other = (partition.dirichlet(labels, 10, 0.5, seed) for seed in (1, 1, 2))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        partition.dirichlet(labels, 10, 0.0, seed=1)
+    with pytest.raises(ValueError, match="600 samples do not split evenly among 7 clients"):
+        partition.dirichlet(labels, 7, 0.5, seed=1)
+
+
+def test_lognormal_sizes_spread_as_sigma_says_and_cover_the_data():
+    parts = partition.lognormal(1_000_000, 1000, sigma=1.0, seed=4)
+    _assert_disjoint_cover(parts, 1_000_000)
+    sizes = np.array([len(part) for part in parts])
+    assert sizes.min() >= 1
+    # log-normal(0, 1) weights: the log sizes' spread is sigma (1000 draws: sd of the
+    # estimate about 0.022), whatever the scale.
+    assert abs(np.log(sizes).std() - 1.0) < 0.1
+    assert min(len(p) for p in partition.lognormal(100, 100, sigma=3.0, seed=4)) == 1
+    with pytest.raises(ValueError, match="cannot give each of 100 clients at least one"):
+        partition.lognormal(99, 100, 1.0, seed=0)
+
+
+def test_natural_clients_are_the_data_sets_own():
+    owners = np.array([2, 0, 1, 2, 2, 0])
+    parts = partition.make("natural", np.zeros(6), 3, seed=0, owners=owners)
+    assert [part.tolist() for part in parts] == [[1, 5], [2], [0, 3, 4]]
+    with pytest.raises(ValueError, match=r"3 natural clients \(ids 0..2\), but data.clients = 4; set data.clients = 3"):
+        partition.natural(owners, 4)
+
+
+# --- a run's split, as the nodes make it and `fedemu data stats` shows it -------------------
+
+
+def test_data_stats_shows_the_split_the_nodes_make(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from fedemu.launch import config as configuration
+    from fedemu.worker.ml import split
+
+    from .test_sweep import tiny_mnist
+
+    tiny_mnist(tmp_path)
+    sets = [f"data.cache_dir={tmp_path}", "data.partition=dirichlet", "data.dirichlet_alpha=0.2", "data.clients=8"]
+    argv = [sys.executable, "-m", "fedemu.launch", "data", "stats", "--json"]
+    for item in sets:
+        argv += ["--set", item]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shown = [json.loads(line) for line in done.stdout.splitlines()]
+    run_data, shares = split.run_data(configuration.data_spec(configuration.load(None, sets)), progress=lambda _: None)
+    assert [row["examples"] for row in shown] == [len(share) for share in shares] == [50] * 8
+    assert [row["class_counts"] for row in shown] == [np.bincount(run_data.train_y[s], minlength=10).tolist()
+                                                      for s in shares]
+    assert np.median([row["classes"] for row in shown]) <= 4  # alpha 0.2: skewed
+
+
+@pytest.mark.slow
+def test_a_run_with_uneven_clients_completes(tmp_path):
+    """Log-normal client sizes through real processes: every worker node cuts the same
+    uneven shares, and the server weights by them."""
+    import json
+
+    from .test_launch import launch
+    from .test_sweep import tiny_mnist
+
+    tiny_mnist(tmp_path / "cache")
+    proc = launch(tmp_path / "run", f"data.cache_dir={tmp_path / 'cache'}", "data.partition=lognormal",
+                  "data.clients=8", "algorithm.C=0.5", "algorithm.B=10", "algorithm.E=1", "run.rounds=3",
+                  "run.torch_threads=1")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 3
+    assert summary["final_accuracy"] > 0.3  # chance is 0.1

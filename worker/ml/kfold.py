@@ -117,3 +117,6 @@ def check(config: dict) -> None:
         raise ValueError(f"data.fold = {fold} must be in 0..{folds - 1} (data.folds = {folds})")
     if not folds and fold:
         raise ValueError(f"data.fold = {fold} needs data.folds >= 2 (k-fold cross-validation)")
+    if folds and config["data"]["partition"] not in ("iid", "shards"):
+        raise ValueError(f"data.folds = {folds}: k-fold splits are made for partition 'iid' or 'shards' (Nilsson "
+                         f"et al.'s), not {config['data']['partition']!r}")

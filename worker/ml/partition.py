@@ -1,9 +1,12 @@
-"""Splitting a training set among clients, as in McMahan et al. (2017).
+"""Splitting a training set among clients: McMahan et al. (2017)'s IID and pathological
+non-IID shards, Hsu et al. (2019)'s Dirichlet label skew, log-normal quantity skew, and a
+data set's natural clients.
 
 Every function returns one int64 index array per client, sorted ascending
-(so a client's reads from a memory-mapped data set go forward through it).
-Sizes that do not divide evenly raise ValueError rather than silently
-dropping or unevenly spreading samples: the paper's setups always divide.
+(so a client's reads from a memory-mapped data set go forward through it), and
+every example goes to exactly one client. Where a split is into equal shares,
+sizes that do not divide evenly raise ValueError rather than silently dropping
+or unevenly spreading samples: the paper's setups always divide.
 """
 
 from __future__ import annotations
@@ -12,18 +15,12 @@ import numpy as np
 
 from fedemu.node import streams
 
-PARTITION_KINDS = ("iid", "shards")
+PARTITION_KINDS = ("iid", "shards", "dirichlet", "lognormal", "natural")
 
 
 def iid(n_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
     """Shuffle all samples and give each client an equal share."""
-    if num_clients <= 0:
-        raise ValueError(f"num_clients must be positive, got {num_clients}")
-    if n_samples % num_clients:
-        raise ValueError(
-            f"{n_samples} samples do not split evenly among {num_clients} clients "
-            f"(remainder {n_samples % num_clients})"
-        )
+    _equal_size(n_samples, num_clients)
     order = streams.generator(seed, "partition.iid").permutation(n_samples).astype(np.int64)
     return [np.sort(part) for part in order.reshape(num_clients, -1)]
 
@@ -84,16 +81,102 @@ def make(
 ) -> list[np.ndarray]:
     """Partition by ``kind``: "iid", or "shards" (option shards_per_client, default 2)."""
     if kind == "iid":
-        if opts:
-            raise ValueError(f"partition 'iid' takes no options, got {sorted(opts)}")
+        _only(kind, opts, set())
         return iid(len(labels), num_clients, seed)
     if kind == "shards":
-        unknown = set(opts) - {"shards_per_client", "images", "order"}
-        if unknown:
-            raise ValueError(
-                f"partition 'shards' takes only shards_per_client, images and order, got {sorted(unknown)}"
-            )
+        _only(kind, opts, {"shards_per_client", "images", "order"})
         # Two shards per client is the paper's pathological non-IID setup.
         return shards(labels, num_clients, opts.get("shards_per_client", 2), seed,
                       images=opts.get("images"), order=opts.get("order", "stable"))
+    if kind == "dirichlet":
+        _only(kind, opts, {"alpha"})
+        return dirichlet(labels, num_clients, opts.get("alpha", 0.5), seed)
+    if kind == "lognormal":
+        _only(kind, opts, {"sigma"})
+        return lognormal(len(labels), num_clients, opts.get("sigma", 1.0), seed)
+    if kind == "natural":
+        _only(kind, opts, {"owners"})
+        if opts.get("owners") is None:
+            raise ValueError("partition 'natural' needs a data set with natural clients (its train_client array)")
+        return natural(opts["owners"], num_clients)
     raise ValueError(f"unknown partition kind {kind!r}; allowed: {', '.join(PARTITION_KINDS)}")
+
+
+def _only(kind: str, opts: dict, allowed: set[str]) -> None:
+    unknown = set(opts) - allowed
+    if unknown:
+        takes = f"only {', '.join(sorted(allowed))}" if allowed else "no options"
+        raise ValueError(f"partition {kind!r} takes {takes}, got {sorted(unknown)}")
+
+
+def _equal_size(n_samples: int, num_clients: int) -> int:
+    if num_clients <= 0:
+        raise ValueError(f"num_clients must be positive, got {num_clients}")
+    if n_samples % num_clients:
+        raise ValueError(f"{n_samples} samples do not split evenly among {num_clients} clients "
+                         f"(remainder {n_samples % num_clients})")
+    return n_samples // num_clients
+
+
+def dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Hsu et al. (2019)'s label skew: client k's class proportions are q_k ~ Dir(alpha p),
+    p the data set's class frequencies, and it draws its equal share of examples from
+    the classes by q_k, without replacement. Small alpha: a few classes per client;
+    large alpha: close to IID.
+
+    Every example is used, so the classes run out as clients fill up: a client whose
+    classes are spent draws from those left, in proportion to q_k where it can and to
+    what is left where q_k puts nothing on them. The clients fill in a random order,
+    so no client id is the one left with the leftovers."""
+    if not alpha > 0:
+        raise ValueError(f"the Dirichlet concentration alpha must be > 0, got {alpha}")
+    labels = np.asarray(labels)
+    size = _equal_size(len(labels), num_clients)
+    rng = streams.generator(seed, "partition.dirichlet")
+    classes, counts = np.unique(labels, return_counts=True)
+    prior = counts / counts.sum()
+    pools = [rng.permutation(np.flatnonzero(labels == c)).astype(np.int64) for c in classes]
+    left, taken = counts.copy(), np.zeros(len(classes), np.int64)
+    parts: list[np.ndarray] = [np.empty(0, np.int64)] * num_clients
+    for client in rng.permutation(num_clients):
+        q = rng.dirichlet(alpha * prior)
+        want, got = size, np.zeros(len(classes), np.int64)
+        while want:
+            weights = q * (left > 0)
+            weights = weights if weights.sum() > 0 else left.astype(float)
+            draw = np.minimum(rng.multinomial(want, weights / weights.sum()), left)
+            got, left, want = got + draw, left - draw, want - int(draw.sum())
+        parts[client] = np.sort(np.concatenate([pool[start:start + n] for pool, start, n in zip(pools, taken, got)]))
+        taken += got
+    return parts
+
+
+def lognormal(n_samples: int, num_clients: int, sigma: float, seed: int) -> list[np.ndarray]:
+    """Quantity skew: IID examples, client sizes proportional to log-normal(0, sigma^2)
+    draws (rounded by largest remainder, at least one example each)."""
+    if num_clients <= 0 or n_samples < num_clients:
+        raise ValueError(f"{n_samples} samples cannot give each of {num_clients} clients at least one")
+    if not sigma > 0:
+        raise ValueError(f"the log-normal spread sigma must be > 0, got {sigma}")
+    rng = streams.generator(seed, "partition.lognormal")
+    weights = rng.lognormal(0.0, sigma, num_clients)
+    # One example each first, the rest in proportion: no client is left empty.
+    spare = n_samples - num_clients
+    exact = spare * weights / weights.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    sizes[np.argsort(sizes - exact, kind="stable")[:spare - int(sizes.sum())]] += 1
+    order = rng.permutation(n_samples).astype(np.int64)
+    return [np.sort(part) for part in np.split(order, np.cumsum(sizes + 1)[:-1])]
+
+
+def natural(owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """A data set's own clients (speakers, writers, devices): ``owners[i]`` is example i's
+    client id, 0..num_clients-1."""
+    owners = np.asarray(owners)
+    present = int(owners.max()) + 1 if len(owners) else 0
+    if present != num_clients or owners.min() < 0:
+        raise ValueError(f"the data set has {present} natural clients (ids 0..{present - 1}), but data.clients "
+                         f"= {num_clients}; set data.clients = {present}")
+    order = np.argsort(owners, kind="stable").astype(np.int64)
+    parts = np.split(order, np.cumsum(np.bincount(owners, minlength=num_clients))[:-1])
+    return [np.sort(part) for part in parts]
