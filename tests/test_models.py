@@ -20,8 +20,8 @@ def test_output_is_one_logit_per_class(name):
 
 
 def test_model_names_and_unknown_name():
-    assert models.MODEL_NAMES == ("2nn", "cnn")
-    with pytest.raises(models.UnknownModel, match="unknown model 'resnet': fedemu has 2nn, cnn"):
+    assert models.MODEL_NAMES == ("2nn", "cnn", "cifar-cnn")
+    with pytest.raises(models.UnknownModel, match="unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn"):
         models.build("resnet", (1, 28, 28), 10)
 
 

@@ -74,7 +74,33 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
-_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn}
+def _cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """McMahan et al.'s CIFAR-10 model, the TensorFlow tutorial's (cifar10.py): two 5x5
+    convolutions of 64 with 3x3 max-pooling (stride 2, padded) and local response
+    normalisation, fully connected layers of 384 and 192, and a linear layer to the
+    logits; on 24x24 crops 1,068,298 parameters ("about 10^6")."""
+    from torch import nn
+
+    if len(input_shape) != 3:
+        raise ValueError(f"the CIFAR CNN takes images (channels, height, width), not inputs of shape {input_shape}")
+    channels, height, width = input_shape
+    # tf.nn.lrn(depth_radius=4, bias=1, alpha=0.001/9, beta=0.75) sums alpha * x^2 over 9
+    # channels; torch divides its alpha by the window size, so it gets 9 * 0.001 / 9.
+    lrn = dict(size=9, alpha=0.001, beta=0.75, k=1.0)
+    pooled = lambda size: (size - 1) // 2 + 1  # a 3x3, stride-2 pool padded by 1 ('SAME')
+    return nn.Sequential(
+        nn.Conv2d(channels, 64, kernel_size=5, padding=2), nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1), nn.LocalResponseNorm(**lrn),
+        nn.Conv2d(64, 64, kernel_size=5, padding=2), nn.ReLU(),
+        nn.LocalResponseNorm(**lrn), nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(pooled(pooled(height)) * pooled(pooled(width)) * 64, 384), nn.ReLU(),
+        nn.Linear(384, 192), nn.ReLU(),
+        nn.Linear(192, num_classes),
+    )
+
+
+_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn, "cifar-cnn": _cifar_cnn}
 MODEL_NAMES = tuple(_BUILDERS)
 
 

@@ -285,7 +285,9 @@ def svrg_pass(
     w <- w - h_k * (grad f_i(w) - grad f_i(w_t) + grad f(w_t)), with h_k = stepsize / n_k.
     """
     count = _check_local_data(x, y)
-    inputs = dataset.inputs(x, train=True)
+    # Un-augmented, like the full gradient it corrects: the pass's one update per sample
+    # compares gradients at w and w_t on the same input.
+    inputs = dataset.inputs(x)
     targets = dataset.targets(y)
     params = list(model.parameters())
     full = torch.from_numpy(np.asarray(full_gradient, dtype=np.float32))

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import time
+import urllib.request
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
 ENTRY_POINT_GROUP = "fedemu.datasets"
-BUILT_IN_MODULES = ("fedemu.worker.ml.datasets.mnist",)
+BUILT_IN_MODULES = ("fedemu.worker.ml.datasets.mnist", "fedemu.worker.ml.datasets.cifar10")
 
 Progress = Callable[[str], None]
 Arrays = dict[str, np.ndarray]
@@ -198,6 +201,34 @@ def sha256_file(path) -> str:
         for block in iter(lambda: stream.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def download_within(url: str, deadline: float, socket_timeout: float | None = None) -> bytes:
+    """GET ``url``, giving up at ``deadline`` (time.monotonic()) whatever happens, and
+    when the connection is silent for ``socket_timeout`` seconds (default: until the
+    deadline). For sources that download what they then verify.
+
+    The socket timeout does not cover DNS resolution, so the request runs in
+    a daemon thread that is simply abandoned if the deadline passes.
+    """
+    outcome: dict[str, object] = {}
+
+    def worker() -> None:
+        try:
+            timeout = socket_timeout or max(deadline - time.monotonic(), 0.1)
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                outcome["body"] = response.read()
+        except Exception as error:  # reported to the caller below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=worker, name="fedemu-idx-download", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0))
+    if thread.is_alive():
+        raise SourceUnreachable(f"{url}: no answer within the time budget")
+    if "error" in outcome:
+        raise SourceUnreachable(f"{url}: {outcome['error']}")
+    return outcome["body"]  # type: ignore[return-value]
 
 
 # --- the registry ------------------------------------------------------------------------

