@@ -76,11 +76,11 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
 
 def test_unknown_dataset_names_the_known_ones(tmp_path):
     with pytest.raises(data.DatasetError) as caught:
-        data.fetch("cifar10", cache=tmp_path, progress=lambda _: None)
+        data.fetch("imagenet", cache=tmp_path, progress=lambda _: None)
     assert isinstance(caught.value, ValueError)
     assert "mnist" in str(caught.value) and "fashion-mnist" in str(caught.value)
     with pytest.raises(data.DatasetError, match="fashion-mnist"):
-        data.load("cifar10", cache=tmp_path)
+        data.load("imagenet", cache=tmp_path)
 
 
 # --- fetch, publish and the atomic cache --------------------------------------
