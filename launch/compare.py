@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from . import config as configuration
-from .report import _pyplot, _save, algorithm_label, fmt, markdown_table, short
+from .labels import algorithm_label, fmt, short
+from .report import _pyplot, _save, markdown_table
 from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_run, load_sweep
 
 

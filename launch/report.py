@@ -11,44 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .labels import algorithm_label, fmt, short
 from .results import (ALGORITHM_KEY, REPEAT_KEYS, X_AXES, ReportError, Run, SweepData, differing_keys, flat,
                       is_sweep, load_run, load_sweep, time_to_target, times_to_target)
 
-
-
-def fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return str(value)
-
-
-def short(key: str) -> str:
-    """A readable name for a config key: its last part ("network.dropout.per_round" ->
-    "per_round"), or a known label."""
-    labels = {"algorithm.name": "algorithm", "run.seed": "seed", "network.dropout.per_round": "drop-out per round",
-              "data.fold": "fold", "algorithm.C": "C", "algorithm.E": "E", "algorithm.B": "B",
-              "network.stragglers.distribution": "stragglers"}
-    if key in labels:
-        return labels[key]
-    parts = key.split(".")
-    if parts[-1] in ("bandwidth", "latency_ms", "loss", "jitter_ms") and len(parts) >= 3:
-        direction = {"up": "uplink ", "down": "downlink "}.get(parts[-2], "")
-        return direction + {"bandwidth": "bandwidth", "latency_ms": "latency (ms)", "loss": "loss",
-                            "jitter_ms": "jitter (ms)"}[parts[-1]]
-    return parts[-1]
-
-
-def algorithm_label(name: str) -> str:
-    """The algorithm's label (``FedAvg``, ``CO-OP``), or its name where no class answers
-    to it here (a plug-in this machine cannot import)."""
-    from fedemu.server.algorithm import UnknownAlgorithm, get
-
-    try:
-        return get(name).label or name
-    except UnknownAlgorithm:
-        return name
 
 
 # --- sweeps -----------------------------------------------------------------------------

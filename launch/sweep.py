@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import config as configuration
 from .lifecycle import DirectoryInUse, DirLock
-from .report import fmt
+from .labels import fmt, point_id
 from .results import REPEAT_KEYS, curve, flat, times_to_target
 
 if TYPE_CHECKING:
@@ -210,19 +210,6 @@ def _values(path: Path, key: str, values: Any) -> list:
 def config_hash(config: dict) -> str:
     stable = {k: v for k, v in flat(config).items() if k not in VOLATILE}
     return hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def point_id(params: dict[str, Any]) -> str:
-    """A readable directory name: "name=coop,bandwidth=1Mbit,seed=1"."""
-    lasts = [k.split(".")[-1] for k in params]
-    parts = []
-    for (key, value), last in zip(params.items(), lasts):
-        label = last if lasts.count(last) == 1 else key
-        parts.append(f"{label}={fmt(value)}")
-    text = re.sub(r"[^A-Za-z0-9._=,+-]", "_", ",".join(parts))
-    if len(text) > 150:  # file names have limits; keep it readable and unique
-        text = text[:130] + "," + hashlib.sha256(text.encode()).hexdigest()[:12]
-    return text
 
 
 def expand(spec: Spec) -> list[Point]:
