@@ -318,6 +318,11 @@ class Index:
         self.db.execute(f"UPDATE points SET {sets} WHERE id = ?", (*fields.values(), pid))
         self.db.commit()
 
+    def counts(self) -> dict[str, int]:
+        """The current points by status."""
+        return {r["status"]: r["n"] for r in self.db.execute(
+            "SELECT status, count(*) AS n FROM points WHERE current = 1 GROUP BY status")}
+
     def close(self) -> None:
         self.db.close()
 
@@ -467,6 +472,16 @@ class Layout:
         return (f"{self.parallel} at a time, on hosts " + " | ".join(",".join(map(str, g.hosts)) for g in self.host_groups)
                 + f", worker nodes: {slots}")
 
+    def point_config(self, config: dict) -> dict:
+        """A copy of a point's config with its worker nodes, and on this machine torch
+        threads that share the cores between the points running at once."""
+        config = json.loads(json.dumps(config))  # a deep copy
+        config["run"]["workers"] = self.workers_per_point or 0
+        if self.host_groups is None and not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":
+            # Points share the cores: torch's default (all cores per node) would oversubscribe.
+            config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // (self.parallel * self.workers_per_point))
+        return config
+
 
 def plan(spec: Spec, parallel: int | None, workers_per_point: int | None,
          machines: Machines | None = None) -> Layout:
@@ -567,7 +582,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
         echo(f"{progress.skipped} of {len(points)} points already completed; skipping them")
     if not todo:
         echo("nothing to run")
-        return _counts(index)
+        return index.counts()
     _fetch_data(todo, echo)
     parallel = layout.parallel
     echo(f"running {len(todo)} point(s), {layout.describe()}, into {sweep_dir}")
@@ -611,17 +626,12 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
         finally:
             signal.signal(signal.SIGINT, previous)
         raise
-    return _counts(index)
+    return index.counts()
 
 
 def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, hosts: Machines | None,
            stop: threading.Event) -> tuple[threading.Thread, dict, Point]:
-    config = json.loads(json.dumps(p.config))
-    wpp = layout.workers_per_point
-    config["run"]["workers"] = wpp or 0
-    if hosts is None and not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":
-        # Points share the cores: torch's default (all cores per node) would oversubscribe.
-        config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // (layout.parallel * wpp))
+    config = layout.point_config(p.config)
     run_rel = Path("runs") / p.id
     run_dir = sweep_dir / run_rel
     attempts = (row["attempts"] or 0) + 1
@@ -643,7 +653,8 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
     def target() -> None:
         started = time.monotonic()
         try:
-            box["summary"] = run_point(config, run_dir, workers=wpp, stop=stop, on_start=on_start, machines=hosts)
+            box["summary"] = run_point(config, run_dir, workers=layout.workers_per_point, stop=stop,
+                                       on_start=on_start, machines=hosts)
         except Exception as exc:  # a point's failure must not take the sweep down
             box["summary"] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
         box["wall"] = time.monotonic() - started
@@ -674,8 +685,3 @@ def _finish(p: Point, box: dict, index: Index, sweep_dir: Path, target: float, p
         echo(f"FAILED {p.id}: {summary.get('reason')}  (logs: {run_dir / 'logs'})  {progress.line(running, parallel)}")
     else:
         echo(f"stopped {p.id}: {summary.get('reason')}")
-
-
-def _counts(index: Index) -> dict:
-    return {r["status"]: r["n"] for r in index.db.execute(
-        "SELECT status, count(*) AS n FROM points WHERE current = 1 GROUP BY status")}
