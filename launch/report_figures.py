@@ -118,7 +118,7 @@ def plot_sweep_curves(data: SweepData, out: Path, formats=("png", "svg")) -> lis
             ax.set_ylim(lo, hi)
         for ax in panels[:: min(len(panels), 3) if len(panels) != 4 else 2]:
             ax.set_ylabel("test accuracy (%)")
-        _figure_legend(fig, panels, colors, algos, plt)
+        _figure_legend(fig, colors, algos)
         reps = [k for k in data.axes if k in REPEAT_KEYS]
         unfinished = len(data.runs) - len(data.completed)
         fig.suptitle(f"Test accuracy against {what}"
@@ -129,7 +129,7 @@ def plot_sweep_curves(data: SweepData, out: Path, formats=("png", "svg")) -> lis
     return paths
 
 
-def _figure_legend(fig, panels, colors, algos, plt):
+def _figure_legend(fig, colors, algos):
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=colors[a], linewidth=2, label=algorithm_label(a)) for a in algos]
@@ -192,7 +192,7 @@ def plot_sweep_axes(data: SweepData, out: Path, formats=("png", "svg")) -> list[
                 panels[0].set_ylim(0, top * 1.2 or 1.0)
             for ax in panels[:: min(len(panels), 3) if len(panels) != 4 else 2]:
                 ax.set_ylabel(ylabel)
-            _figure_legend(fig, panels, colors, algos, plt)
+            _figure_legend(fig, colors, algos)
             reps = [k for k in data.axes if k in REPEAT_KEYS]
             note = f"mean of {', '.join(short(k) + 's' for k in reps)}; bars: min to max" if reps else ""
             if missing and name.startswith("tt_"):

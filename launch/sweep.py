@@ -118,7 +118,7 @@ def _read_summary(run_dir: Path) -> dict | None:
         return None
 
 
-def _fetch_data(points: list[Point], echo) -> None:
+def _fetch_data(points: list[Point]) -> None:
     from fedemu.worker.ml import data
 
     for name, cache in {(p.config["data"]["dataset"], p.config["data"]["cache_dir"] or None) for p in points}:
@@ -135,7 +135,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
     if not todo:
         echo("nothing to run")
         return index.counts()
-    _fetch_data(todo, echo)
+    _fetch_data(todo)
     parallel = layout.parallel
     echo(f"running {len(todo)} point(s), {layout.describe()}, into {sweep_dir}")
     running: dict[str, tuple[threading.Thread, dict, Point]] = {}
