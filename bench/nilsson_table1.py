@@ -220,9 +220,9 @@ def _band(ax, curves, color, label, dashed=False) -> None:
 
 
 def _plot(out: Path, theirs: Path | None = None) -> None:
-    from fedemu.launch.report import _pyplot
+    from fedemu.launch.report_figures import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     colors = {"fedavg": "#2f56e0", "coop": "#e0562f", "fsvrg": "#2fa84f", "centralised": "#777777"}
     for ax, partition in zip(axes, ("iid", "shards")):

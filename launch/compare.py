@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from . import config as configuration
-from .report import _pyplot, _save, algorithm_label, fmt, markdown_table, short
+from .labels import algorithm_label, fmt, short
+from .report_figures import pyplot, save_figure
+from .report_tables import markdown_table
 from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_run, load_sweep
 
 
@@ -205,7 +207,7 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
     percentage points, the rope between two lines, the three probabilities."""
     from scipy import stats
 
-    plt = _pyplot()
+    plt = pyplot()
     n = len(results)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -236,7 +238,7 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"Posterior of the mean accuracy difference (dashed: rope ±{rope * 100:g} point"
                  f"{'s' if rope * 100 != 1 else ''})")
-    paths = _save(fig, out, "posteriors", formats)
+    paths = save_figure(fig, out, "posteriors", formats)
     plt.close(fig)
     return paths
 

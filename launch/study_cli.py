@@ -25,7 +25,8 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     on the hosts; --parallel N splits the hosts into N groups, one point on each."""
     from fedemu.worker.ml.data import DatasetError
 
-    from .sweep import SweepError, load_spec, run_sweep
+    from .sweep import run_sweep
+    from .sweep_spec import SweepError, load_spec
 
     if parallel is not None and parallel < 0 or workers_per_point is not None and workers_per_point < 1:
         raise click.ClickException("--parallel must be >= 0 and --workers-per-point >= 1")

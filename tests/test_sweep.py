@@ -23,6 +23,9 @@ from click.testing import CliRunner
 
 from fedemu.launch import sweep
 from fedemu.launch.cli import main
+from fedemu.launch.sweep_layout import plan
+from fedemu.launch.sweep_point import alive
+from fedemu.launch.sweep_spec import SweepError, expand, load_spec
 from tests.test_report import make_run
 
 SWEEP = """
@@ -84,7 +87,7 @@ class FakeRunner:
 
 def run(spec_path: Path, out: Path, runner: FakeRunner, **kw) -> dict:
     with mock.patch.object(sweep, "run_point", runner):
-        return sweep.run_sweep(sweep.load_spec(spec_path, out), parallel=2, echo=lambda line: None, **kw)
+        return sweep.run_sweep(load_spec(spec_path, out), parallel=2, echo=lambda line: None, **kw)
 
 
 def fake_sweep(tmp_path: Path) -> Path:
@@ -115,7 +118,7 @@ def status_of(out: Path, point: str) -> str | None:
 
 
 def test_grid_expands_axes_and_zips_with_repetitions_outermost(tmp_path):
-    points = sweep.expand(sweep.load_spec(write(tmp_path / "s.toml", SWEEP)))
+    points = expand(load_spec(write(tmp_path / "s.toml", SWEEP)))
     assert len(points) == 2 * 2 * 2  # dropout x seed x (algorithm, lr) zipped
     assert [p.params["run.seed"] for p in points] == [1, 1, 1, 1, 2, 2, 2, 2]
     pairs = {(p.config["algorithm"]["name"], p.config["algorithm"]["lr"]) for p in points}
@@ -130,8 +133,8 @@ def test_grid_expands_axes_and_zips_with_repetitions_outermost(tmp_path):
 def test_a_base_file_is_read_relative_to_the_sweep_file(tmp_path):
     (tmp_path / "cfg").mkdir()
     write(tmp_path / "cfg" / "base.toml", "[run]\nrounds = 7\n[algorithm]\nE = 3\n")
-    spec = sweep.load_spec(write(tmp_path / "cfg" / "s.toml", '[sweep]\nbase = "base.toml"\n[axes]\n"algorithm.B" = [10, 20]\n'))
-    points = sweep.expand(spec)
+    spec = load_spec(write(tmp_path / "cfg" / "s.toml", '[sweep]\nbase = "base.toml"\n[axes]\n"algorithm.B" = [10, 20]\n'))
+    points = expand(spec)
     assert [(p.config["run"]["rounds"], p.config["algorithm"]["E"], p.config["algorithm"]["B"]) for p in points] \
         == [(7, 3, 10), (7, 3, 20)]
     assert spec.out == Path("sweeps") / "s"
@@ -141,7 +144,7 @@ def test_the_example_sweeps_expand_to_valid_points():
     examples = sorted((Path(__file__).parent.parent / "examples" / "sweeps").glob("*.toml"))
     assert examples
     for path in examples:
-        points = sweep.expand(sweep.load_spec(path))
+        points = expand(load_spec(path))
         assert len(points) >= 2 and len({p.id for p in points}) == len(points), path
 
 
@@ -200,7 +203,7 @@ def test_a_changed_base_config_is_refused_naming_the_keys(tmp_path):
     out = tmp_path / "sw"
     run(spec, out, FakeRunner())
     write(spec, SWEEP.replace("rounds = 3", "rounds = 5"))
-    with pytest.raises(sweep.SweepError, match=r"base config changed.*8 point\(s\).*run.rounds: 3 -> 5"):
+    with pytest.raises(SweepError, match=r"base config changed.*8 point\(s\).*run.rounds: 3 -> 5"):
         run(spec, out, FakeRunner())
     # Through the CLI the same refusal is a clear error, not a traceback.
     result = CliRunner().invoke(main, ["sweep", str(spec), "--out", str(out)])
@@ -267,7 +270,7 @@ def test_a_point_still_running_from_a_killed_sweep_is_not_started_twice(tmp_path
         db.execute("UPDATE points SET status = 'running', pids = ? WHERE id = ?", (json.dumps([orphan.pid]), pid))
         db.commit()
         db.close()
-        with pytest.raises(sweep.SweepError, match=rf"point {pid} is still running .*pids {orphan.pid}"):
+        with pytest.raises(SweepError, match=rf"point {pid} is still running .*pids {orphan.pid}"):
             run(spec, out, FakeRunner())
     finally:
         orphan.kill()
@@ -292,17 +295,17 @@ def test_with_machines_concurrent_points_get_disjoint_groups_of_hosts(tmp_path):
     from fedemu.launch.hosts import Host
     from fedemu.launch.machines import Machines
 
-    spec = sweep.load_spec(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw")
+    spec = load_spec(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw")
     a, b, c = Host("a"), Host("b"), Host("c", slots=4)
     machines = Machines([a, b, c], ssh_config="cfg")
-    layout = sweep.plan(spec, 2, None, machines)
+    layout = plan(spec, 2, None, machines)
     assert [g.hosts for g in layout.host_groups] == [[a, b], [c]]
     assert all(g.ssh_config == "cfg" for g in layout.host_groups)
     assert layout.workers_per_point is None  # each host's slots=, else its cores, as `launch` does
-    whole = sweep.plan(spec, None, 2, machines)  # by default a point spans every host
+    whole = plan(spec, None, 2, machines)  # by default a point spans every host
     assert whole.parallel == 1 and whole.host_groups[0].hosts == [a, b, c] and whole.workers_per_point == 2
-    with pytest.raises(sweep.SweepError, match="--parallel 4 with --machines needs at least 4 hosts"):
-        sweep.plan(spec, 4, None, machines)
+    with pytest.raises(SweepError, match="--parallel 4 with --machines needs at least 4 hosts"):
+        plan(spec, 4, None, machines)
 
 
 def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
@@ -388,7 +391,7 @@ def test_a_real_sweep_killed_half_way_resumes_without_redoing_finished_points(tm
     state = rows(out)
     assert state["E=1"]["status"] == "completed" and state["E=1"]["final_accuracy"] > 0.1
     assert state["E=2"]["status"] == "interrupted"
-    assert sweep.alive(json.loads(state["E=2"]["pids"]), (out / "runs" / "E=2").resolve()) == []
+    assert alive(json.loads(state["E=2"]["pids"]), (out / "runs" / "E=2").resolve()) == []
 
     result = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
