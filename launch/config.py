@@ -53,8 +53,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                check=non_negative, rule=">= 0"),
     },
     "data": {
-        "dataset": Key(str, "data set: 'mnist', 'fashion-mnist' or 'cifar10' (fedemu data list shows them), an "
-                       "installed plug-in's name, or 'package.module:Class' (a fedemu Dataset)"),
+        "dataset": Key(str, "data set: 'mnist', 'fashion-mnist', 'cifar10' or 'shakespeare' (fedemu data list "
+                       "shows them), an installed plug-in's name, or 'package.module:Class' (a fedemu Dataset)"),
         "partition": Key(str, "how the training set is split over clients: 'iid', 'shards' (McMahan's pathological "
                          "non-IID), 'dirichlet' (label skew, Hsu et al. 2019), 'lognormal' (quantity skew) or "
                          "'natural' (the data set's own clients)",
@@ -73,9 +73,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "fold": Key(int, "the fold held out as the test set when data.folds >= 2", check=non_negative, rule=">= 0"),
     },
     "model": {
-        "name": Key(str, "model: '2nn', 'cnn' (McMahan et al.'s MNIST models) or 'cifar-cnn' (their CIFAR-10 "
-                    "model), an installed plug-in's name, or 'package.module:function' (a builder(input_shape, "
-                    "num_classes))"),
+        "name": Key(str, "model: '2nn', 'cnn' (McMahan et al.'s MNIST models), 'cifar-cnn' (their CIFAR-10 "
+                    "model), 'char-lstm' (their Shakespeare model), an installed plug-in's name, or "
+                    "'package.module:function' (a builder(input_shape, num_classes))"),
         "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults, or every weight "
                     "and bias from N(0, init_std^2) (Nilsson et al.)", choices=("torch", "normal")),
         "init_std": Key(float, "standard deviation of init = 'normal'", check=positive, rule="> 0"),

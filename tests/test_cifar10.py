@@ -136,9 +136,9 @@ def test_augmentation_crops_flips_and_draws_from_the_generator(monkeypatch):
     out = dataset.augment(batch, torch.Generator().manual_seed(7))
     flips = []
     for image, augmented in zip(batch, out):
-        windows = {(top, left, flip): cifar10.standardise(
-            (image[:, top:top + 24, left:left + 24].flip(-1) if flip else image[:, top:top + 24, left:left + 24])[None])[0]
-                   for top in range(9) for left in range(9) for flip in (False, True)}
+        crops = {(top, left): image[:, top:top + 24, left:left + 24] for top in range(9) for left in range(9)}
+        windows = {(top, left, flip): cifar10.standardise((crop.flip(-1) if flip else crop)[None])[0]
+                   for (top, left), crop in crops.items() for flip in (False, True)}
         found = [key for key, window in windows.items() if torch.allclose(window, augmented, atol=1e-5)]
         assert found, "not a crop of its image"
         flips.append(found[0][2])

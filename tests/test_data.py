@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from fedemu.node import streams
 from fedemu.worker.ml import data, datasets, partition
 from fedemu.worker.ml.datasets import mnist as mnist_sources
 
@@ -181,7 +182,8 @@ def test_leftovers_of_a_killed_fetch_are_not_a_cache(tmp_path, monkeypatch, smal
     np.testing.assert_array_equal(loaded.test_x, arrays["test_x"])
     listing = {entry["name"]: entry for entry in data.list_datasets(tmp_path)}
     assert listing["mnist"] == {
-        "name": "mnist", "about": "MNIST: inputs 1x28x28, 10 classes", "cached": True, "path": str(tmp_path / "v2" / "mnist"),
+        "name": "mnist", "about": "MNIST: inputs 1x28x28, 10 classes", "cached": True,
+        "path": str(tmp_path / "v2" / "mnist"),
         "sizes": {"train": 6, "test": 4},
     }
     # The staging folder is fresh, so it may belong to a concurrent fetch: kept.
@@ -392,6 +394,16 @@ def test_iid_gives_equal_disjoint_covering_shares():
     assert all(np.all(np.diff(part) > 0) for part in parts)
 
 
+def test_iid_that_does_not_divide_is_balanced():
+    parts = partition.iid(60_001, 100, seed=7)
+    _assert_disjoint_cover(parts, 60_001)
+    assert [len(part) for part in parts] == [601] + [600] * 99
+    # Where it divides, the same shares as the equal split always gave.
+    assert all(np.array_equal(a, b) for a, b in zip(partition.iid(60_000, 100, seed=7),
+                                                    np.sort(streams.generator(7, "partition.iid")
+                                                            .permutation(60_000).reshape(100, -1), axis=1)))
+
+
 def test_iid_is_seeded():
     first, again, other = (partition.iid(60_000, 100, seed) for seed in (7, 7, 8))
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
@@ -441,8 +453,8 @@ def test_shards_are_seeded():
 
 
 def test_uneven_sizes_raise_with_the_numbers():
-    with pytest.raises(ValueError, match="60001 samples .* 100 clients"):
-        partition.iid(60_001, 100, seed=0)
+    with pytest.raises(ValueError, match="99 samples cannot give each of 100 clients at least one"):
+        partition.iid(99, 100, seed=0)
     with pytest.raises(ValueError, match="60000 samples .* 7 equal shards"):
         partition.shards(np.zeros(60_000, np.uint8), num_clients=7, shards_per_client=1, seed=0)
     with pytest.raises(ValueError, match="positive"):

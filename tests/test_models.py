@@ -6,6 +6,14 @@ import torch
 
 from fedemu.worker.ml import models
 
+# What each built-in model is built for in these tests, and a batch of its inputs.
+INPUTS = {
+    "2nn": ((1, 28, 28), lambda n: torch.rand(n, 1, 28, 28)),
+    "cnn": ((1, 28, 28), lambda n: torch.rand(n, 1, 28, 28)),
+    "cifar-cnn": ((3, 24, 24), lambda n: torch.rand(n, 3, 24, 24)),
+    "char-lstm": ((80,), lambda n: torch.randint(0, 10, (n, 80))),
+}
+
 
 @pytest.mark.parametrize("name, expected", [("2nn", 199_210), ("cnn", 1_663_370)])
 def test_parameter_counts_match_the_paper(name, expected):
@@ -14,23 +22,25 @@ def test_parameter_counts_match_the_paper(name, expected):
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_output_is_one_logit_per_class(name):
-    model = models.build(name, (1, 28, 28), 10, seed=0)
-    logits = model(torch.rand(3, 1, 28, 28))
-    assert logits.shape == (3, 10)
+    shape, inputs = INPUTS[name]
+    logits = models.build(name, shape, 10, seed=0)(inputs(3))
+    assert logits.shape == ((3, 80, 10) if name == "char-lstm" else (3, 10))  # a sequence: per position
 
 
 def test_model_names_and_unknown_name():
-    assert models.MODEL_NAMES == ("2nn", "cnn", "cifar-cnn")
-    with pytest.raises(models.UnknownModel, match="unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn"):
+    assert models.MODEL_NAMES == ("2nn", "cnn", "cifar-cnn", "char-lstm")
+    with pytest.raises(models.UnknownModel,
+                       match="unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn, char-lstm"):
         models.build("resnet", (1, 28, 28), 10)
 
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_seeded_build_is_deterministic_and_leaves_global_rng_alone(name):
     state = torch.get_rng_state()
-    first = models.get_flat(models.build(name, (1, 28, 28), 10, seed=11))
-    again = models.get_flat(models.build(name, (1, 28, 28), 10, seed=11))
-    other = models.get_flat(models.build(name, (1, 28, 28), 10, seed=12))
+    shape = INPUTS[name][0]
+    first = models.get_flat(models.build(name, shape, 10, seed=11))
+    again = models.get_flat(models.build(name, shape, 10, seed=11))
+    other = models.get_flat(models.build(name, shape, 10, seed=12))
     assert torch.equal(torch.get_rng_state(), state)
     np.testing.assert_array_equal(first, again)
     assert not np.array_equal(first, other)
@@ -52,9 +62,10 @@ def test_get_flat_is_an_independent_float32_vector_in_parameter_order():
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)
 def test_set_flat_round_trip(name):
-    source = models.build(name, (1, 28, 28), 10, seed=1)
-    target = models.build(name, (1, 28, 28), 10, seed=2)
-    images = torch.rand(4, 1, 28, 28)
+    shape, inputs = INPUTS[name]
+    source = models.build(name, shape, 10, seed=1)
+    target = models.build(name, shape, 10, seed=2)
+    images = inputs(4)
 
     models.set_flat(target, models.get_flat(source))
 

@@ -89,7 +89,8 @@ def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatc
     model = models.build(MODEL_BY_PATH, (1, 28, 28), 10, seed=1)
     assert models.num_parameters(model) == 784 * 100 + 100 + 100 * 10 + 10
     assert model(__import__("torch").zeros(3, 1, 28, 28)).shape == (3, 10)
-    with pytest.raises(configuration.ConfigError, match="model.name: unknown model 'mlp100': fedemu has 2nn, cnn, cifar-cnn"):
+    with pytest.raises(configuration.ConfigError,
+                       match="model.name: unknown model 'mlp100': fedemu has 2nn, cnn, cifar-cnn, char-lstm"):
         configuration.load(None, ["model.name=mlp100"])
     with pytest.raises(configuration.ConfigError, match="model 'fedemu_example_plugin.models:nope': module "
                                                         "'fedemu_example_plugin.models' has no 'nope'"):
@@ -102,7 +103,7 @@ def test_a_plugin_data_set_by_module_path_or_entry_point(plugin_on_path, monkeyp
     from fedemu.worker.ml import data, datasets
 
     with pytest.raises(configuration.ConfigError, match="data.dataset: unknown data set 'blobs': fedemu has "
-                                                        "mnist, fashion-mnist, cifar10"):
+                                                        "mnist, fashion-mnist, cifar10, shakespeare"):
         configuration.load(None, ["data.dataset=blobs"])
     config = configuration.load(None, [f"data.dataset={DATASET_BY_PATH}", f"model.name={MODEL_BY_PATH}",
                                        "data.clients=10"])

@@ -100,7 +100,33 @@ def _cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
-_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn, "cifar-cnn": _cifar_cnn}
+def _char_lstm(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """McMahan et al.'s Shakespeare model: each character embedded in 8 dimensions, two
+    LSTM layers of 256, a softmax over the characters at every one of the unrolled
+    positions (logits (n, T, classes)). For 258 classes, 867,090 parameters: PyTorch's
+    LSTM has two bias vectors and no peepholes, TensorFlow's cell one and three peephole
+    vectors per layer, hence 2 x (1,024 - 768) = 512 more than the paper's 866,578."""
+    import torch
+    from torch import nn
+
+    if len(input_shape) != 1:
+        raise ValueError(f"the char LSTM takes sequences of token ids, not inputs of shape {input_shape}")
+
+    class CharLSTM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(num_classes, 8)
+            self.lstm = nn.LSTM(8, 256, num_layers=2, batch_first=True)
+            self.out = nn.Linear(256, num_classes)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            states, _ = self.lstm(self.embed(tokens))
+            return self.out(states)
+
+    return CharLSTM()
+
+
+_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn, "cifar-cnn": _cifar_cnn, "char-lstm": _char_lstm}
 MODEL_NAMES = tuple(_BUILDERS)
 
 

@@ -4,9 +4,9 @@ data set's natural clients.
 
 Every function returns one int64 index array per client, sorted ascending
 (so a client's reads from a memory-mapped data set go forward through it), and
-every example goes to exactly one client. Where a split is into equal shares,
-sizes that do not divide evenly raise ValueError rather than silently dropping
-or unevenly spreading samples: the paper's setups always divide.
+every example goes to exactly one client. McMahan's shards must divide
+evenly (ValueError, rather than silently dropping samples); an IID split that
+does not divide gives some clients one sample more.
 """
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ PARTITION_KINDS = ("iid", "shards", "dirichlet", "lognormal", "natural")
 
 
 def iid(n_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
-    """Shuffle all samples and give each client an equal share."""
-    _equal_size(n_samples, num_clients)
+    """Shuffle all samples and give each client an equal share: balanced, the first
+    n_samples % num_clients clients one sample more where the count does not divide (a
+    natural data set's IID variant keeps its number of clients, as McMahan et al. did)."""
+    if num_clients <= 0:
+        raise ValueError(f"num_clients must be positive, got {num_clients}")
+    if n_samples < num_clients:
+        raise ValueError(f"{n_samples} samples cannot give each of {num_clients} clients at least one")
     order = streams.generator(seed, "partition.iid").permutation(n_samples).astype(np.int64)
-    return [np.sort(part) for part in order.reshape(num_clients, -1)]
+    return [np.sort(part) for part in np.array_split(order, num_clients)]
 
 
 SHARD_ORDERS = ("stable", "pixels")

