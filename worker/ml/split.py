@@ -68,7 +68,8 @@ def _options(spec: DataSpec, data_set: data.Data) -> dict:
 
 
 def share_stats(run_data: data.Data, shares: list[np.ndarray]) -> list[dict]:
-    """Per client: its examples and how many of each class it holds."""
+    """Per client: its examples and how many targets of each class they hold (one per
+    example, or one per scored position of a sequence)."""
     labels = np.asarray(run_data.train_y)
     classes = run_data.dataset.num_classes
     rows = []
@@ -94,7 +95,7 @@ def describe_shares(spec: DataSpec, run_data: data.Data, stats: list[dict], show
              f"examples per client: min {sizes.min():,}, median {np.median(sizes):,.0f}, max {sizes.max():,}",
              f"classes per client:  min {kinds.min()}, median {np.median(kinds):g}, max {kinds.max()} "
              f"(of {run_data.dataset.num_classes})",
-             "", f"{'client':>6}  {'examples':>8}  {'classes':>7}  largest classes (class: examples)"]
+             "", f"{'client':>6}  {'examples':>8}  {'classes':>7}  largest classes (class: targets)"]
     for row in stats[:shown]:
         counts = np.array(row["class_counts"])
         top = [f"{c}: {counts[c]:,}" for c in np.argsort(-counts, kind="stable")[:4] if counts[c]]
