@@ -22,7 +22,6 @@ machines need no synchronized clocks.
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import logging
 import os
@@ -38,6 +37,7 @@ from . import control
 from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
 from .control import RELAYED_OPS, WORK_OPS
 from .clock import TimerRef, VirtualClock, WallClock, WallTimers
+from .holding import BrokerClock, HeldMessages
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, LinkChange, Message, NodeError, Process, Stalled,
                       ThreadProcess, crash_reason)
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
@@ -45,9 +45,6 @@ from .wire import CTL, USER, Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.node")
 
-# Round-trip samples kept for the clock offset: 16 heartbeats (8 s at the default
-# interval) bound the drift between two machines' clocks while still finding a quick one.
-CLOCK_SAMPLES = 16
 # The welcome's round trip includes the TCP connect (and CURVE handshake): a few quick
 # heartbeats right after it give a good clock offset before the first message.
 QUICK_SYNC_BEATS, QUICK_SYNC_INTERVAL = 5, 0.01
@@ -118,15 +115,8 @@ class Node:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.keys = keys
         self._refused: str | None = None  # why the broker refused the handshake
-        # Broker clock - local clock, from (round trip, offset) samples; None until the welcome.
-        self._clock_samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=CLOCK_SAMPLES)
-        self._clock_offset: float | None = None
-        # Messages held until due (I/O thread only): (due in broker clock, seq, release
-        # time in local clock, (sender, local id), body, link, direction), and per
-        # (sender, local id) pair [held count, latest due] so nothing overtakes them.
-        self._held: list = []
-        self._held_seq = itertools.count()
-        self._held_pairs: dict[tuple[Pid, int], list] = {}
+        self._broker_clock = BrokerClock()
+        self._held = HeldMessages(self._io_deliver, self._broker_clock)
         # The run's clock: wall until the broker's welcome says otherwise (virtual time).
         self.clock: WallClock | VirtualClock = WallClock()
         self._timers = WallTimers(self._send, name, self.clock, log)
@@ -477,7 +467,7 @@ class Node:
             self.dropped["node-closed"] += 1
             return
         # The send time, in the broker's clock: where an emulated link's clock starts.
-        offset = self._clock_offset
+        offset = self._broker_clock.offset
         sent = time.monotonic() + offset if offset is not None and kind == USER and not self.clock.virtual else None
         self._outbox.append(wire.encode(kind, src, dst, body, sent))
         self._report_due = True
@@ -516,7 +506,7 @@ class Node:
         poller.register(self._handshake_monitor, zmq.POLLIN)
         watching = True
         quick_sync = QUICK_SYNC_BEATS
-        held = self._held
+        held = self._held.heap
         last_heard = time.monotonic()
         next_beat = time.monotonic()
         try:
@@ -565,11 +555,11 @@ class Node:
                         last_heard = time.monotonic()
                         self._on_frames(frames)
                         if held and held[0][2] <= last_heard:
-                            self._release_due()  # a long burst must not make held messages late
+                            self._held.release_due()  # a long burst must not make held messages late
                         if self._to_hand_over_count >= _HANDOVER_GROUP:
                             self._hand_over()
                 if held:
-                    self._release_due()
+                    self._held.release_due()
                 self._hand_over()
                 if self.clock.virtual:
                     while self._outbox:  # what fired timers sent, before saying we are idle
@@ -651,8 +641,8 @@ class Node:
                     self._drop("unknown-destination", f"no local process named {dst!r}")
                     return
                 dst = proc.pid.id
-            if type(header.timing) is Hold or self._held_pairs:
-                self._arrive(header.src, dst, body, header.timing)
+            if type(header.timing) is Hold or self._held.pairs:
+                self._held.arrive(header.src, dst, body, header.timing)
             else:
                 self._io_deliver(header.src, dst, body)
             if self.clock.virtual:
@@ -672,70 +662,12 @@ class Node:
             if self.clock.virtual and body["op"] in WORK_OPS:
                 self._count_work(in_batch=body["op"] in RELAYED_OPS)
 
-    # --- holding emulated messages until due ---------------------------------------------
-
-    def _arrive(self, src: Pid, dst_id: int, body: Any, timing: Any) -> None:
-        """Deliver now, or hold until due; either way never ahead of an earlier
-        message of the same pair that is still held (FIFO per pair)."""
-        key = (src, dst_id)
-        pair = self._held_pairs.get(key)
-        if type(timing) is Hold:
-            now = time.monotonic()
-            due = timing.sent_at + timing.hold
-            # Due in this clock; never later than `hold` from now (what the broker
-            # asked for), whatever the offset estimate says.
-            release = now + timing.hold
-            if self._clock_offset is not None and due - self._clock_offset < release:
-                release = due - self._clock_offset
-            if release <= now and pair is None:
-                self._io_deliver(src, dst_id, body)
-                return
-            link, direction = timing.link, timing.direction
-        elif pair is None:
-            self._io_deliver(src, dst_id, body)
-            return
-        else:  # not emulated (a DOWN, or a link that became ideal): right behind the pair's last
-            due, release, link, direction = pair[1], float("-inf"), -1, -1
-        if pair is None:
-            pair = self._held_pairs[key] = [0, due]
-        pair[0] += 1
-        if due > pair[1]:
-            pair[1] = due
-        heapq.heappush(self._held, (due, next(self._held_seq), release, key, body, link, direction))
-
-    def _release_due(self) -> None:
-        """Hand every held message that is due to its process, in due order (so in
-        the model's order: FIFO per link, or the model's reordering with `reorder`)."""
-        held = self._held
-        now = time.monotonic()
-        while held and held[0][2] <= now:
-            _, _, _, key, body, _, _ = heapq.heappop(held)
-            self._unhold(key)
-            self._io_deliver(key[0], key[1], body)
-
-    def _unhold(self, key: tuple[Pid, int]) -> None:
-        pair = self._held_pairs[key]
-        pair[0] -= 1
-        if pair[0] == 0:
-            del self._held_pairs[key]
-
     def _drop_offline(self, links: Any, at: Any) -> None:
-        """The broker's notice that ``links`` went offline at ``at`` (its clock): what
-        is held for them and due after that never arrives. Reported back for the books."""
-        if not (isinstance(links, list) and all(type(k) is int for k in links) and type(at) is float):
-            raise ValueError("offline needs a list of links and a time")
-        gone = set(links)
-        kept, counts = [], collections.Counter()
-        for entry in self._held:
-            if entry[5] in gone and entry[0] > at:
-                counts[(entry[5], entry[6])] += 1
-                self._unhold(entry[3])
-            else:
-                kept.append(entry)
+        """The broker's notice that ``links`` went offline at ``at``: drop what is held
+        for them, and report it back for the books."""
+        counts = self._held.drop_offline(links, at)
         if not counts:
             return
-        heapq.heapify(kept)
-        self._held[:] = kept  # the I/O loop holds this list
         log.info("node %s dropped %d held message(s) of clients gone offline", self.name, sum(counts.values()))
         self._send_ctl(BROKER_PID, {"op": "held_dropped",
                                     "counts": [[link, d, n] for (link, d), n in sorted(counts.items())]})
@@ -767,15 +699,6 @@ class Node:
         else:
             raise ValueError(f"unknown clock {kind!r} (time scale {time_scale!r})")
 
-    def _clock_sample(self, body: dict) -> None:
-        """A round trip to the broker (our send time echoed, the broker's clock): its
-        offset is known to within half the round trip, so the shortest recent wins."""
-        t1 = time.monotonic()
-        t0, broker_now = body.get("t"), body.get("now")
-        if type(t0) is float and type(broker_now) is float and 0 <= t1 - t0 < 10:
-            self._clock_samples.append((t1 - t0, broker_now - (t0 + t1) / 2))
-            self._clock_offset = min(self._clock_samples)[1]
-
     def _deliver_local(self, sender: Pid, dst_id: int, body: Any) -> None:
         proc = self._procs.get(dst_id)
         if proc is None or not proc.alive:
@@ -805,10 +728,10 @@ class Node:
     def _control(self, header: wire.Header, body: dict) -> None:
         op = body["op"]
         if op == "hb":
-            self._clock_sample(body)
+            self._broker_clock.sample(body)
             return
         if op == "welcome":
-            self._clock_sample(body)
+            self._broker_clock.sample(body)
             self._set_clock(body.get("clock", "wall"), body.get("time_scale", 1.0))
             self._welcomed.set()
         elif op == "advance":
@@ -861,7 +784,7 @@ class Node:
                 entry = self._out_monitors.pop(down.ref, None)
             if entry is not None:  # absent: already resolved (exactly one Down)
                 # After the process's last messages, even if they are still held.
-                self._arrive(down.pid, entry[0].id, down, None)
+                self._held.arrive(down.pid, entry[0].id, down, None)
         elif op == "offline":
             self._drop_offline(body.get("links"), body.get("at"))
         elif op == "availability":
