@@ -36,8 +36,8 @@ from . import wire
 from . import control
 from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
 from .control import RELAYED_OPS, WORK_OPS
-from .clock import TimerRef, VirtualClock, WallClock, WallTimers
 from .holding import BrokerClock, HeldMessages
+from .timekeeping import Timekeeping
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, LinkChange, Message, NodeError, Process, Stalled,
                       ThreadProcess, crash_reason)
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
@@ -65,7 +65,7 @@ def _renice_this_thread(increment: int) -> None:
         log.warning("could not lower the pool threads' priority by %d: %s", increment, exc)
 
 
-class Node:
+class Node(Timekeeping):
     """One OS process hosting many processes, connected to the broker."""
 
     def __init__(
@@ -117,17 +117,7 @@ class Node:
         self._refused: str | None = None  # why the broker refused the handshake
         self._broker_clock = BrokerClock()
         self._held = HeldMessages(self._io_deliver, self._broker_clock)
-        # The run's clock: wall until the broker's welcome says otherwise (virtual time).
-        self.clock: WallClock | VirtualClock = WallClock()
-        self._timers = WallTimers(self._send, name, self.clock, log)
-        # Virtual time's books (see _report_if_idle): processes runnable or computing now;
-        # work messages received from the broker; whether the broker must hear from us
-        # again; messages of the current instant's batch still to come before the timers.
-        self._busy = 0
-        self._busy_lock = threading.Lock()
-        self._seen = 0
-        self._report_due = True
-        self._batch_left = 0
+        self._init_timekeeping()
         # Deliveries the I/O thread has decoded but not yet handed over, per process: a
         # burst is handed over in groups, so a receiving thread wakes (and takes the GIL
         # from the I/O thread) once per group, not once per message.
@@ -377,71 +367,6 @@ class Node:
         for ref, watcher, target in lost:
             self._deliver_local(target, watcher.id, Down(ref, target, "noconnection"))
 
-    # --- time ------------------------------------------------------------------------------
-
-    def _add_timer(self, delay: float, args: tuple, owner: Process | None) -> TimerRef:
-        if self.clock.virtual:
-            return self.clock.add(delay, args, owner)
-        return self._timers.add(delay, args, owner)
-
-    def _busy_up(self) -> None:
-        if self.clock.virtual:
-            with self._busy_lock:
-                self._busy += 1
-                woke = self._busy == 1
-            if woke and threading.current_thread() is not self._io_thread:
-                # Work the broker did not hand us (a spawn from outside any process, a
-                # wall-time timeout): tell it, or it could take us for idle a while longer.
-                self._send_ctl(BROKER_PID, {"op": "busy"})
-
-    def _busy_down(self) -> None:
-        if self.clock.virtual:
-            with self._busy_lock:
-                self._busy -= 1
-                idle = self._busy == 0
-            if idle:
-                self._wake()  # the I/O thread tells the broker
-
-    def _fire_timers(self) -> None:
-        """Virtual time (I/O thread), after an advance's batch was handed over: every
-        timer now due, in order. A send goes out (or into a local mailbox); a receive's
-        timeout wakes its process."""
-        self._hand_over()
-        for ref in self.clock.due():
-            if isinstance(ref.args[0], ThreadProcess):
-                ref.args[0]._timer_fired(ref.args[1])
-                continue
-            try:
-                self._send(*ref.args)
-            except Exception:  # one failed send must not stop the later timers
-                log.exception("node %s: a timed send failed", self.name)
-
-    def _report_if_idle(self) -> None:
-        """Virtual time (I/O thread): when no process of this node is runnable, no
-        message is waiting to go out or to be handed over, and the current batch has
-        arrived, tell the broker, with the work messages seen so far (so it knows none
-        is still on its way here) and the earliest timer. Sent again whenever the
-        broker may have a stale picture: after work arrived or anything went out."""
-        if not self._report_due:
-            return
-        self._report_due = False  # cleared before looking: a send racing this sets it again
-        if self._busy or self._outbox or self._to_hand_over_count or self._batch_left or not self._welcomed.is_set():
-            self._report_due = True
-            return
-        frames = wire.encode(CTL, Pid(self.name, 0), BROKER_PID,
-                             {"op": "idle", "seen": self._seen, "next": self.clock.earliest()})
-        self._ship(frames)
-
-    def _count_work(self, in_batch: bool) -> None:
-        """(I/O thread) A work message from the broker arrived (virtual time's books);
-        ``in_batch``: a delivery of the current instant, after which due timers fire."""
-        self._seen += 1
-        self._report_due = True
-        if in_batch and self._batch_left:
-            self._batch_left -= 1
-            if not self._batch_left:
-                self._fire_timers()
-
     # --- sending ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -689,16 +614,6 @@ class Node:
                 if isinstance(proc, BehaviourProcess):
                     proc._deliver(Message(BROKER_PID, LinkChange(state)))
 
-    def _set_clock(self, kind: Any, time_scale: Any) -> None:
-        """The run's clock, as the broker's welcome says (before any process exists)."""
-        if kind == "virtual":
-            self.clock = VirtualClock()
-            self._report_due = True
-        elif kind == "wall" and type(time_scale) is float and time_scale > 0:
-            self.clock.time_scale = time_scale
-        else:
-            raise ValueError(f"unknown clock {kind!r} (time scale {time_scale!r})")
-
     def _deliver_local(self, sender: Pid, dst_id: int, body: Any) -> None:
         proc = self._procs.get(dst_id)
         if proc is None or not proc.alive:
@@ -746,9 +661,7 @@ class Node:
                 if not isinstance(notice, dict) or notice.get("op") not in ("availability", "offline", "node_down"):
                     raise ValueError(f"advance carries an unknown notice {notice!r}")
                 self._control(header, notice)
-            self._batch_left = count
-            if not count:
-                self._fire_timers()
+            self._start_batch(count)
         elif op == "stalled":
             if self.clock.virtual:
                 self.clock.advance(float(body.get("now", 0.0)))
