@@ -37,10 +37,11 @@ from . import control
 from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
 from .control import RELAYED_OPS, WORK_OPS
 from .holding import BrokerClock, HeldMessages
-from .timekeeping import Timekeeping
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, LinkChange, Message, NodeError, Process, Stalled,
-                      ThreadProcess, crash_reason)
+                      ThreadProcess)
 from .security import PROTOCOL_ERRORS, RunKeys, pending_monitor_events
+from .table import ProcessTable
+from .timekeeping import Timekeeping
 from .wire import CTL, USER, Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.node")
@@ -65,7 +66,7 @@ def _renice_this_thread(increment: int) -> None:
         log.warning("could not lower the pool threads' priority by %d: %s", increment, exc)
 
 
-class Node(Timekeeping):
+class Node(ProcessTable, Timekeeping):
     """One OS process hosting many processes, connected to the broker."""
 
     def __init__(
@@ -87,12 +88,8 @@ class Node(Timekeeping):
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.max_message_bytes = max_message_bytes
-        self._ids = itertools.count(1)  # id 0 is the node itself
-        self._refs = itertools.count(1)
-        self._procs: dict[int, Process] = {}
-        self._names: dict[str, Process] = {}
-        self._monitors: dict[int, list[tuple[int, Pid]]] = {}  # local target id -> (ref, watcher)
-        self._out_monitors: dict[int, tuple[Pid, Pid]] = {}  # ref -> (watcher, remote target)
+        self._init_table()
+        self._refs = itertools.count(1)  # of monitors and of calls to the broker
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._state = threading.RLock()
         self._outbox: collections.deque[list] = collections.deque()
@@ -181,63 +178,6 @@ class Node(Timekeeping):
     def wait(self, timeout: float | None = None) -> bool:
         return self.closed.wait(timeout)
 
-    # --- processes --------------------------------------------------------------------
-
-    def spawn(self, fn: Callable, *args: Any, name: str | None = None, link: int | None = None) -> Pid:
-        """Run ``fn(proc, *args)`` in a thread process; it ends when ``fn`` returns
-        (reason ``normal``) or raises (reason ``crash: ...``)."""
-        proc = ThreadProcess(self, Pid(self.name, next(self._ids)))
-        self._busy_up()  # runnable from birth until it blocks in a receive, or ends
-        try:
-            self._add(proc, name, link)
-        except Exception:
-            self._busy_down()
-            raise
-
-        def run() -> None:
-            reason = "normal"
-            try:
-                fn(proc, *args)
-            except Exception as exc:
-                reason = crash_reason(exc)
-            self._exit(proc, reason)
-            self._busy_down()
-
-        threading.Thread(target=run, name=f"{self.name}-{proc.pid.id}", daemon=True).start()
-        return proc.pid
-
-    def spawn_behaviour(self, behaviour: Behaviour, name: str | None = None, link: int | None = None) -> Pid:
-        proc = BehaviourProcess(self, Pid(self.name, next(self._ids)), behaviour)
-        self._add(proc, name, link)
-        try:
-            behaviour.started(proc)
-        except Exception as exc:
-            self._exit(proc, crash_reason(exc))
-        return proc.pid
-
-    def _add(self, proc: Process, name: str | None, link: int | None) -> None:
-        self._check_open()
-        with self._state:
-            self._procs[proc.pid.id] = proc
-        if name is not None:
-            self.register(name, proc.pid, link)
-
-    def register(self, name: str, pid: Pid, link: int | None = None) -> None:
-        self.register_many([(name, pid, link)])
-
-    def register_many(self, entries: list[tuple[str, Pid, int | None]]) -> None:
-        """Register global names in one message to the broker (thousands of clients)."""
-        with self._state:
-            for name, pid, _ in entries:
-                proc = self._procs.get(pid.id)
-                if proc is None or pid.node != self.name:
-                    raise NodeError(f"cannot register {name!r}: {pid} is not a live local process")
-                if name in self._names and self._names[name] is not proc:
-                    raise NodeError(f"name {name!r} is already registered on {self.name}")
-                self._names[name] = proc
-                proc.names.append(name)
-        self._send_ctl(BROKER_PID, {"op": "register", "entries": [list(e) for e in entries]})
-
     def whereis(self, name: str, timeout: float = 5.0) -> Pid | None:
         """The pid registered under ``name`` anywhere, or None."""
         local = self._names.get(name)
@@ -286,92 +226,11 @@ class Node(Timekeeping):
         a signal handler asking the server to stop."""
         self._send(USER, Pid(self.name, 0), dst, body)
 
-    def processes(self) -> list[Process]:
-        with self._state:
-            return list(self._procs.values())
-
     def shutdown_all(self) -> None:
         """Ask the broker to stop every node of the run, and itself."""
         self._send_ctl(BROKER_PID, {"op": "shutdown"})
 
-    # --- exits and monitors -------------------------------------------------------------
-
-    def _exit(self, proc: Process, reason: str) -> None:
-        with self._state:
-            if not proc.alive:
-                return
-            proc.alive = False
-            self._procs.pop(proc.pid.id, None)
-            for name in proc.names:
-                self._names.pop(name, None)
-            watchers = self._monitors.pop(proc.pid.id, [])
-        if proc.names and not self.closed.is_set():
-            self._send_ctl(BROKER_PID, {"op": "unregister", "names": proc.names, "pid": proc.pid})
-        if isinstance(proc, BehaviourProcess):
-            try:
-                proc.behaviour.stopped(proc, reason)
-            except Exception:
-                log.exception("stopped() of %s raised", proc)
-        log.debug("%s exited: %s", proc, reason)
-        for ref, watcher in watchers:
-            self._send_down(watcher, Down(ref, proc.pid, reason))
-
-    def _send_down(self, watcher: Pid, down: Down) -> None:
-        if watcher.node == self.name:
-            self._deliver_local(down.pid, watcher.id, down)
-        else:
-            self._send_ctl(Pid(watcher.node, 0), {"op": "down", "down": down, "watcher": watcher})
-
-    def _monitor(self, watcher: Pid, target: Pid) -> int:
-        if not isinstance(target, Pid):
-            raise TypeError(f"monitor needs a Pid, not {target!r}; resolve names with whereis()")
-        ref = next(self._refs)
-        if target.node == self.name:
-            with self._state:
-                if target.id in self._procs:
-                    self._monitors.setdefault(target.id, []).append((ref, watcher))
-                    return ref
-            self._send_down(watcher, Down(ref, target, "noproc"))
-            return ref
-        with self._state:
-            if self.closed.is_set():
-                dead = True
-            else:
-                dead = False
-                self._out_monitors[ref] = (watcher, target)
-        if dead:
-            self._send_down(watcher, Down(ref, target, "noconnection"))
-        else:
-            self._send_ctl(Pid(target.node, 0), {"op": "monitor", "ref": ref, "watcher": watcher, "target": target.id})
-        return ref
-
-    def _demonitor(self, ref: int) -> None:
-        with self._state:
-            entry = self._out_monitors.pop(ref, None)
-            if entry is None:
-                for watchers in self._monitors.values():
-                    watchers[:] = [w for w in watchers if w[0] != ref]
-                return
-        watcher, target = entry
-        self._send_ctl(Pid(target.node, 0), {"op": "demonitor", "ref": ref, "target": target.id})
-
-    def _fire_noconnection(self, node: str | None) -> None:
-        """Resolve every monitor on processes of ``node`` (None: of every remote node)."""
-        with self._state:
-            lost = [(ref, w, t) for ref, (w, t) in self._out_monitors.items() if node is None or t.node == node]
-            for ref, _, _ in lost:
-                del self._out_monitors[ref]
-            if node is not None:
-                for watchers in self._monitors.values():
-                    watchers[:] = [w for w in watchers if w[1].node != node]
-        for ref, watcher, target in lost:
-            self._deliver_local(target, watcher.id, Down(ref, target, "noconnection"))
-
     # --- sending ----------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self.closed.is_set():
-            raise NodeError(f"node {self.name} is closed ({self.close_reason})")
 
     def _send(self, kind: int, src: Pid, dst: Pid | str, body: Any) -> None:
         if isinstance(dst, str):
@@ -674,30 +533,11 @@ class Node(Timekeeping):
                 waiter[1].append(body["value"])
                 waiter[0].set()
         elif op == "monitor":
-            watcher, target_id, ref = body["watcher"], body["target"], body["ref"]
-            # Kept until the target exits: check now, or the exit would fail on it.
-            if not (isinstance(watcher, Pid) and watcher.node == header.src.node and type(target_id) is int
-                    and type(ref) is int):
-                raise TypeError("monitor needs a watcher pid of the sending node, a target id and a ref")
-            with self._state:
-                alive = target_id in self._procs
-                if alive:
-                    self._monitors.setdefault(target_id, []).append((ref, watcher))
-            if not alive:
-                self._send_down(watcher, Down(ref, Pid(self.name, target_id), "noproc"))
+            self._remote_monitor(header.src.node, body["watcher"], body["target"], body["ref"])
         elif op == "demonitor":
-            with self._state:
-                watchers = self._monitors.get(body["target"], [])
-                watchers[:] = [w for w in watchers if w[0] != body["ref"]]
+            self._remote_demonitor(body["target"], body["ref"])
         elif op == "down":
-            down: Down = body["down"]
-            if not isinstance(down, Down):
-                raise TypeError(f"down carries {type(down).__name__}, not a Down")
-            with self._state:
-                entry = self._out_monitors.pop(down.ref, None)
-            if entry is not None:  # absent: already resolved (exactly one Down)
-                # After the process's last messages, even if they are still held.
-                self._held.arrive(down.pid, entry[0].id, down, None)
+            self._remote_down(body["down"])
         elif op == "offline":
             self._drop_offline(body.get("links"), body.get("at"))
         elif op == "availability":
