@@ -33,8 +33,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import os
-import socket as pysocket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -45,14 +43,11 @@ import zmq
 from . import control, wire
 from .control import QUIET_OPS, WORK_OPS
 from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
-from .security import PROTOCOL_ERRORS, RunKeys, ZapHandler, pending_monitor_events
+from .security import Admission, RunKeys
 from .vclock import VirtualScheduler, sender_of
-from .wire import CTL, USER, VERSION, Pid, WireError
+from .wire import BROKER_NODE, BROKER_PID, CTL, USER, VERSION, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
-
-BROKER_NODE = "$broker"
-BROKER_PID = Pid(BROKER_NODE, 0)
 
 # Plain ints: OR-ing or passing zmq's Flag enums costs microseconds per frame.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -144,19 +139,8 @@ class Broker:
         # pyzmq's Python-level send() wraps the C one for DRAFT-socket arguments this
         # broker never uses, at about a microsecond per frame: call the C one.
         self._send_frame = zmq.backend.Socket.send.__get__(self._sock)
-        self._zap: ZapHandler | None = None
-        self._monitor: zmq.Socket | None = None
-        if keys is not None:
-            keys.make_server(self._sock)
-            self._zap = ZapHandler(self._ctx, keys.client_public, self._refused)
-            # Handshake failures without a ZAP request (no CURVE at all, a bad server
-            # key, garbage) are seen only through the socket's monitor.
-            self._monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            self._peers: dict[int, str] = {}  # fd -> peer address, from ACCEPTED
-            self._failed_handshake: str | None = None
-            self._refused_from: dict[str, int] = {}
+        # Before the bind: with no ZAP handler bound, libzmq lets every CURVE client in.
+        self._admission = Admission(self._ctx, self._sock, keys, self.stats) if keys is not None else None
         self.endpoint = self._bind(bind)
         self._nodes: dict[str, _NodeInfo] = {}
         self._by_identity: dict[bytes, _NodeInfo] = {}
@@ -207,11 +191,10 @@ class Broker:
         self._running = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        for extra in (self._zap.sock if self._zap else None, self._monitor):
-            if extra is not None:
-                poller.register(extra, zmq.POLLIN)
+        for extra in self._admission.sockets if self._admission else ():
+            poller.register(extra, zmq.POLLIN)
         next_check = time.monotonic() + self.heartbeat_interval
-        log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._zap else "")
+        log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._admission else "")
         try:
             while self._running:
                 wake = min(next_check, self._wake_deadline)
@@ -222,10 +205,8 @@ class Broker:
                 for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
                     if sock is self._sock:
                         self._drain()
-                    elif sock is self._monitor:
-                        self._monitor_events()
                     else:
-                        self._zap.handle()
+                        self._admission.handle(sock)
                 if self.scheduler is not None:
                     self.scheduler.step()
                 elif wall_devices:
@@ -236,11 +217,8 @@ class Broker:
                     self._scripted_events(round_=None)
                     next_check = now + self.heartbeat_interval
         finally:
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-            if self._zap is not None:
-                self._zap.close()
+            if self._admission is not None:
+                self._admission.close()
             self._sock.close(linger=0)
             self._ctx.term()
             log.info("broker stopped; %s", self.stats.as_dict())
@@ -531,37 +509,6 @@ class Broker:
         if c is None:
             c = self.stats.links[link] = LinkCounters()
         return c
-
-    # --- authentication -----------------------------------------------------------
-
-    def _refused(self, address: str, reason: str) -> None:
-        self.stats.refused += 1
-        address = address or "unknown address"
-        seen = self._refused_from[address] = self._refused_from.get(address, 0) + 1
-        # Every refusal is counted; a peer that keeps retrying is logged at first,
-        # then every 100th time, so it cannot flood the log.
-        if seen <= 10 or seen % 100 == 0:
-            log.warning("refused connection from %s (#%d from there): %s", address, seen, reason)
-
-    def _monitor_events(self) -> None:
-        for kind, value in pending_monitor_events(self._monitor):
-            if kind == zmq.EVENT_ACCEPTED:
-                self._peers[value] = _peer_address(value)
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._failed_handshake = None  # the ZAP handler refused it, and counted it
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                self._failed_handshake = f"no valid CURVE handshake: {PROTOCOL_ERRORS.get(value, f'error {value}')}"
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._failed_handshake is None:
-                # Often the peer hanging up on us after it saw the mismatch itself.
-                detail = zmq.strerror(value) if value else "no detail"
-                self._failed_handshake = f"no valid CURVE handshake ({detail}; a node without the run's keys?)"
-            elif kind == zmq.EVENT_DISCONNECTED:
-                # libzmq reports a failed handshake, then the disconnect of its socket.
-                address = self._peers.pop(value, "")
-                if self._failed_handshake is not None:
-                    self._refused(address, self._failed_handshake)
-                    self._failed_handshake = None
-
 
     # --- control traffic addressed to the broker ----------------------------------
 
@@ -933,18 +880,3 @@ def _ids_text(ids) -> str:
     ids = sorted(ids)
     return f"{ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else str(ids)
 
-
-def _peer_address(fd: int) -> str:
-    """The peer of a just-accepted connection, or "" when it is already gone (a
-    client that fails the handshake at once is often closed before this runs)."""
-    try:
-        sock = pysocket.socket(fileno=os.dup(fd))  # a duplicate, ours to close; family detected
-    except OSError:
-        return ""
-    try:
-        peer = sock.getpeername()
-        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-    except OSError:
-        return ""
-    finally:
-        sock.close()

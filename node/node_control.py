@@ -13,8 +13,8 @@ import threading
 from typing import Any
 
 from . import wire
-from .broker import BROKER_PID
 from .process import BehaviourProcess, LinkChange, Message, Stalled, ThreadProcess
+from .wire import BROKER_PID
 
 log = logging.getLogger("fedemu.node")
 

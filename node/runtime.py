@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from . import wire
-from .broker import BROKER_NODE, BROKER_PID
 from .holding import BrokerClock, HeldMessages
 from .node_control import NodeControl
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, Message, NodeError, Process, Stalled,
@@ -42,7 +41,7 @@ from .security import RunKeys
 from .table import ProcessTable
 from .timekeeping import Timekeeping
 from .transport import Transport
-from .wire import USER, Pid
+from .wire import BROKER_NODE, BROKER_PID, USER, Pid
 
 log = logging.getLogger("fedemu.node")
 

@@ -14,9 +14,8 @@ import logging
 import threading
 from typing import Any, Callable
 
-from .broker import BROKER_PID
 from .process import Behaviour, BehaviourProcess, Down, NodeError, Process, ThreadProcess, crash_reason
-from .wire import Pid
+from .wire import BROKER_PID, Pid
 
 log = logging.getLogger("fedemu.node")
 

@@ -20,10 +20,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import wire
-from .broker import BROKER_PID
 from .clock import TimerRef, VirtualClock, WallClock, WallTimers
 from .process import ThreadProcess
-from .wire import CTL, Pid
+from .wire import BROKER_PID, CTL, Pid
 
 if TYPE_CHECKING:
     from .process import Process

@@ -22,11 +22,11 @@ from typing import Any
 import zmq
 
 from . import control, wire
-from .broker import _NOBLOCK, _SNDMORE, BROKER_NODE, BROKER_PID
+from .broker import _NOBLOCK, _SNDMORE
 from .control import RELAYED_OPS, WORK_OPS
 from .process import Message, Process
 from .security import PROTOCOL_ERRORS, pending_monitor_events
-from .wire import CTL, USER, Hold, Pid, WireError
+from .wire import BROKER_NODE, BROKER_PID, CTL, USER, Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.node")
 

@@ -61,6 +61,11 @@ class Pid(NamedTuple):
         return f"<{self.node}.{self.id}>"
 
 
+# The broker's address: control messages for it go to this pid ("$" starts no node's name).
+BROKER_NODE = "$broker"
+BROKER_PID = Pid(BROKER_NODE, 0)
+
+
 class Hold(NamedTuple):
     """What the broker tells a receiving node about an emulated message."""
 
