@@ -161,6 +161,12 @@ def user_fields(frame: bytes, sender: str) -> list | None:
     return None
 
 
+def held_header(fields: list, hold: Hold) -> bytes:
+    """The header the broker forwards an emulated user message with: its fields as
+    :func:`user_fields` returned them, the send time replaced by ``hold``."""
+    return msgpack.packb([*fields[:6], list(hold)])
+
+
 def _unpack_fields(frame: bytes) -> Any:
     return msgpack.unpackb(frame, use_list=True, raw=False, strict_map_key=True)
 
