@@ -4,11 +4,12 @@ thread that alone touches the socket, and handing what it decodes to the mailbox
 The node owns one DEALER socket to the broker, served by a dedicated I/O thread that
 also sends heartbeats, so socket I/O and liveness never wait behind a process that
 trains for minutes. Senders queue encoded frames and wake the thread through a pipe;
-the thread decodes every message once (:func:`wire.decode` and :func:`control.check`
-are the only checks) and hands deliveries over in groups.
+the thread decodes every message once, checked by :func:`wire.decode` (and a control
+message by :func:`control.check`), and hands deliveries over in groups.
 
-Apart from the node (runtime.py) because this is the one part that runs on the I/O
-thread and knows the socket; what a control message means is node_control.py's.
+Apart from the node (runtime.py) because this is the part that knows the socket and
+runs the I/O thread's loop; what a control message means is node_control.py's, when a
+held message is due is holding.py's.
 """
 from __future__ import annotations
 
