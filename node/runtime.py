@@ -35,6 +35,7 @@ from typing import Any, Callable
 from . import wire
 from .holding import BrokerClock, HeldMessages
 from .node_control import NodeControl
+# The process API is re-exported (see __all__): callers import it from here.
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, Message, NodeError, Process, Stalled,
                       ThreadProcess)
 from .security import RunKeys
