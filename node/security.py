@@ -24,16 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket as pysocket
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import zmq
 import zmq.utils.z85
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("fedemu.security")
+broker_log = logging.getLogger("fedemu.broker")  # the broker's refusals, in the broker's log as before
 
 FORMAT_VERSION = 1
 _KEY_NAMES = ("server_public", "server_secret", "client_public", "client_secret")
@@ -198,3 +200,80 @@ def pending_monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
         except zmq.Again:
             return
         yield event["event"], event["value"]
+
+
+class Admission:
+    """The broker's door with run keys: its ROUTER becomes a CURVE server, and every
+    refused connection is counted (``stats.refused``) and logged, whether the ZAP
+    handler refused it or the handshake failed before any ZAP request (no CURVE at
+    all, a bad server key, garbage), which only the socket's monitor sees. Not a
+    thread: the broker polls :attr:`sockets` and calls :meth:`handle`."""
+
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, keys: RunKeys, stats: Any) -> None:
+        keys.make_server(sock)
+        self._sock = sock
+        self._stats = stats
+        self._zap = ZapHandler(ctx, keys.client_public, self._refused)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.sockets = (self._zap.sock, self._monitor)
+        self._peers: dict[int, str] = {}  # fd -> peer address, from ACCEPTED
+        self._failed_handshake: str | None = None
+        self._refused_from: dict[str, int] = {}
+
+    def handle(self, sock: zmq.Socket) -> None:
+        """``sock`` (one of :attr:`sockets`) has something to read."""
+        if sock is self._monitor:
+            self._monitor_events()
+        else:
+            self._zap.handle()
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._zap.close()
+
+    def _refused(self, address: str, reason: str) -> None:
+        self._stats.refused += 1
+        address = address or "unknown address"
+        seen = self._refused_from[address] = self._refused_from.get(address, 0) + 1
+        # Every refusal is counted; a peer that keeps retrying is logged at first,
+        # then every 100th time, so it cannot flood the log.
+        if seen <= 10 or seen % 100 == 0:
+            broker_log.warning("refused connection from %s (#%d from there): %s", address, seen, reason)
+
+    def _monitor_events(self) -> None:
+        for kind, value in pending_monitor_events(self._monitor):
+            if kind == zmq.EVENT_ACCEPTED:
+                self._peers[value] = _peer_address(value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._failed_handshake = None  # the ZAP handler refused it, and counted it
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._failed_handshake = f"no valid CURVE handshake: {PROTOCOL_ERRORS.get(value, f'error {value}')}"
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._failed_handshake is None:
+                # Often the peer hanging up on us after it saw the mismatch itself.
+                detail = zmq.strerror(value) if value else "no detail"
+                self._failed_handshake = f"no valid CURVE handshake ({detail}; a node without the run's keys?)"
+            elif kind == zmq.EVENT_DISCONNECTED:
+                # libzmq reports a failed handshake, then the disconnect of its socket.
+                address = self._peers.pop(value, "")
+                if self._failed_handshake is not None:
+                    self._refused(address, self._failed_handshake)
+                    self._failed_handshake = None
+
+
+def _peer_address(fd: int) -> str:
+    """The peer of a just-accepted connection, or "" when it is already gone (a
+    client that fails the handshake at once is often closed before this runs)."""
+    try:
+        sock = pysocket.socket(fileno=os.dup(fd))  # a duplicate, ours to close; family detected
+    except OSError:
+        return ""
+    try:
+        peer = sock.getpeername()
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+    except OSError:
+        return ""
+    finally:
+        sock.close()

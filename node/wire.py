@@ -61,6 +61,11 @@ class Pid(NamedTuple):
         return f"<{self.node}.{self.id}>"
 
 
+# The broker's address: control messages for it go to this pid ("$" starts no node's name).
+BROKER_NODE = "$broker"
+BROKER_PID = Pid(BROKER_NODE, 0)
+
+
 class Hold(NamedTuple):
     """What the broker tells a receiving node about an emulated message."""
 
@@ -154,6 +159,12 @@ def user_fields(frame: bytes, sender: str) -> list | None:
             and (sent is None or (type(sent) is float and math.isfinite(sent)))):
         return fields
     return None
+
+
+def held_header(fields: list, hold: Hold) -> bytes:
+    """The header the broker forwards an emulated user message with: its fields as
+    :func:`user_fields` returned them, the send time replaced by ``hold``."""
+    return msgpack.packb([*fields[:6], list(hold)])
 
 
 def _unpack_fields(frame: bytes) -> Any:
