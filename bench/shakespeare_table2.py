@@ -75,6 +75,12 @@ def launch(path: Path, row: tuple, partition: str, lr: float, rounds: int, worke
     return found
 
 
+def read_events(path: Path) -> list[dict]:
+    from fedemu.server.runlog import read_events as read
+
+    return read(path)
+
+
 def report(out: Path) -> str:
     lines = [f"# McMahan et al. 2017, Table 2 (Shakespeare LSTM, 54%), in fedemu ({out})", "",
              "| row | partition | rounds to 54% (fedemu, best lr) | best lr | lrs run | paper |", "|---|---|---|---|---|---|"]
@@ -102,16 +108,22 @@ def main() -> None:
     parser.add_argument("--resolution", type=float, default=10 ** (1 / 3))
     parser.add_argument("--rounds", type=int, default=4000, help="cap per run")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--measure", type=int, metavar="ROUNDS", help="time ROUNDS rounds of each row, then stop")
+    parser.add_argument("--measure", type=int, metavar="ROUNDS",
+                        help="time ROUNDS (>= 2) rounds of each row, then stop")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     rows = [r for r in ROWS if r[0] in args.rows]
+    if args.measure is not None and args.measure < 2:
+        parser.error("--measure needs at least 2 rounds (the time between the first and the last)")
     if args.measure:
         for row in rows:
             for partition in args.partitions:
                 path = args.out / "measure" / f"{row[0]}-{partition}"
-                found = launch(path, row, partition, row[4], args.measure, args.workers)
-                per_round = found["wall_s"] / found["rounds"]
+                launch(path, row, partition, row[4], args.measure, args.workers)
+                # Between the first round's end and the last's: start-up and the first
+                # evaluation's warm-up left out.
+                ends = [e["t"] for e in read_events(path) if e.get("event") == "round"]
+                per_round = (ends[-1] - ends[0]) / (len(ends) - 1)
                 paper = PAPER_ROUNDS[row[0]][partition]
                 print(f"{row[0]:>14} {partition:>7}: {per_round:6.1f} s a round here (wall); the paper's {paper} "
                       f"rounds would take {paper * per_round / 3600:.1f} h", flush=True)
