@@ -12,7 +12,10 @@ fl-performance-evaluation): the curves then show their cross-validation logs
 (benchmark_results/*/cross_validations*/) beside fedemu's, dashed.
 
 Resumable: each run is a directory OUT/<cell>/seed<S>-fold<F>; a completed one is kept,
-an unfinished one is run again. Runs go in the order seed, fold, cell, so a stopped
+an unfinished one is run again. Each completed run is also kept as a record in the
+repository (bench/results/nilsson-table1/<cell>/seed<S>-fold<F>.json: its config,
+summary and accuracy curve), and the report reads the records as well as OUT, so runs
+made on machines that are gone still count; a run with a record is not run again. Runs go in the order seed, fold, cell, so a stopped
 benchmark has covered every cell on the same folds. Configs are the examples' own
 (examples/*-nilsson.toml: their initialisation, CO-OP's over-active rule, E = 5, no
 deadline), with data.folds = 5, data.fold, run.seed and data.partition set per run.
@@ -79,8 +82,49 @@ def completed(path: Path) -> bool:
         return False
 
 
-def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple], workers: int) -> None:
-    todo = [(s, f, c) for s in seeds for f in folds for c in cells if not completed(run_dir(out, c[0], s, f))]
+RECORDS = ROOT / "bench" / "results" / "nilsson-table1"
+# Which k-fold split a run's seed and fold name: the split is drawn from run.seed, and
+# drawn differently since the named random streams (c2fe023), so "seed1-fold3" before and
+# after are folds of two different repetitions. Only runs of one split pair up.
+SPLIT = "named streams"
+
+
+def record_path(records: Path, cell: str, run: str) -> Path:
+    return records / cell / f"{run}.json"
+
+
+def write_record(records: Path, cell: str, path: Path) -> dict:
+    """A completed run, kept: its config, summary and curve (uploads per client, accuracy)."""
+    import tomllib
+
+    x, y = _curve(path)
+    record = {"cell": cell, "run": path.name, "split": SPLIT, "from": "run directory",
+              "config": tomllib.loads((path / "config.toml").read_text()),
+              "summary": json.loads((path / "summary.json").read_text()),
+              "curve": [[round(float(a), 4), float(b)] for a, b in zip(x, y)]}
+    target = record_path(records, cell, path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def load_records(out: Path, records: Path) -> dict[str, dict[str, dict]]:
+    """{cell: {run name: record}}: the kept records, and OUT's completed runs (recorded
+    now if they were not)."""
+    found: dict[str, dict[str, dict]] = {cell: {} for cell, *_ in CELLS}
+    for cell in found:
+        for file in sorted((records / cell).glob("seed*-fold*.json")):
+            found[cell][file.stem] = json.loads(file.read_text())
+        for path in sorted((out / cell).glob("seed*-fold*")):
+            if completed(path) and path.name not in found[cell]:
+                found[cell][path.name] = write_record(records, cell, path)
+    return found
+
+
+def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple], workers: int,
+                records: Path) -> None:
+    todo = [(s, f, c) for s in seeds for f in folds for c in cells
+            if not completed(run_dir(out, c[0], s, f)) and not record_path(records, c[0], f"seed{s}-fold{f}").exists()]
     print(f"{len(todo)} runs to go in {out}", flush=True)
     for i, (seed, fold, (cell, example, _, partition)) in enumerate(todo, 1):
         path = run_dir(out, cell, seed, fold)
@@ -99,21 +143,40 @@ def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple
         if done.returncode != 0 or not completed(path):
             print(f"FAILED after {took:.0f} s (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
             raise SystemExit(1)
-        summary = json.loads((path / "summary.json").read_text())
+        summary = write_record(records, cell, path)["summary"]
         print(f"final {summary['final_accuracy']:.4f} best {summary['best_accuracy']:.4f} in {took:.0f} s",
               flush=True)
 
 
-def _runs_for(out: Path, partition: str) -> dict[str, list[Path]]:
+def _runs_for(found: dict[str, dict[str, dict]], partition: str) -> dict[str, list[dict]]:
     cells = {algo: cell for cell, _, algo, part in CELLS if part == partition or algo == "centralised"}
-    return {algo: sorted(p for p in (out / cell).glob("seed*-fold*") if completed(p)) for algo, cell in cells.items()}
+    return {algo: [found[cell][run] for run in sorted(found[cell])] for algo, cell in cells.items()}
 
 
-def _common(runs: dict[str, list[Path]]) -> dict[str, list[Path]]:
-    """Only the (seed, fold) pairs every algorithm has: the t-test pairs them."""
-    names = [set(p.name for p in paths) for paths in runs.values()]
+def _key(record: dict) -> tuple[str, str]:
+    return record.get("split", SPLIT), record["run"]
+
+
+def _common(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The runs the t-test pairs: the (seed, fold) pairs every algorithm has, of the one
+    split that has the most of them."""
+    names = [set(map(_key, records)) for records in runs.values()]
     common = set.intersection(*names) if names else set()
-    return {algo: [p for p in paths if p.name in common] for algo, paths in runs.items()}
+    splits = sorted({split for split, _ in common}, key=lambda split: -sum(k[0] == split for k in common))
+    common = {k for k in common if splits and k[0] == splits[0]}
+    return {algo: sorted((r for r in records if _key(r) in common), key=_key) for algo, records in runs.items()}
+
+
+def _split_mark(record: dict) -> str:
+    return "" if record.get("split", SPLIT) == SPLIT else f", {record['split']}"
+
+
+def _record_curve(record: dict) -> tuple[np.ndarray, np.ndarray] | None:
+    """A record's (uploads per client, accuracy), or None for a run kept without its curve."""
+    if not record.get("curve"):
+        return None
+    points = np.array(record["curve"], dtype=float)
+    return points[:, 0], points[:, 1]
 
 
 def _curve(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -133,47 +196,57 @@ def _curve(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.array(xs), np.array(ys)
 
 
-def report(out: Path, metric: str, theirs: Path | None = None) -> str:
+def report(out: Path, metric: str, theirs: Path | None = None, records: Path = RECORDS) -> str:
     from fedemu.launch import compare
 
-    lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out})", ""]
+    found = load_records(out, records)
+    lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out} and {records})", ""]
     for partition in ("iid", "shards"):
-        every = _runs_for(out, partition)
+        every = _runs_for(found, partition)
         runs = _common(every)
-        n = min(len(p) for p in runs.values())
+        n = min(len(r) for r in runs.values())
         lines.append(f"## {PARTITION[partition]}")
         lines.append("")
         means = [["algorithm", "runs", "mean final (%)", "mean best (%)", "best of each run (%)",
                   "paper's mean best (%)"]]
         for algo in ORDER:
-            summaries = [json.loads((p / "summary.json").read_text()) for p in every[algo]]
-            final = np.mean([s["final_accuracy"] for s in summaries]) * 100 if summaries else math.nan
+            summaries = [r["summary"] for r in every[algo]]
+            finals = [s["final_accuracy"] for s in summaries if s.get("final_accuracy") is not None]
+            final = np.mean(finals) * 100 if finals else math.nan
             best = np.mean([s["best_accuracy"] for s in summaries]) * 100 if summaries else math.nan
-            each = ", ".join(f"{s['best_accuracy'] * 100:.2f} ({p.name})" for p, s in zip(every[algo], summaries))
-            means.append([LABEL[algo], str(len(summaries)), f"{final:.2f}", f"{best:.2f}", each or "-",
-                          f"{PAPER_MEANS[partition][algo]:.2f}"])
+            each = ", ".join(f"{r['summary']['best_accuracy'] * 100:.2f} ({r['run']}{_split_mark(r)})"
+                             for r in every[algo])
+            # Runs kept from docs/results.md have their best accuracy only: the mean final
+            # says over how many runs it is taken.
+            final_text = "-" if not finals else f"{final:.2f}" + (f" ({len(finals)})" if len(finals) < len(summaries)
+                                                                  else "")
+            means.append([LABEL[algo], str(len(summaries)), final_text,
+                          f"{best:.2f}", each or "-", f"{PAPER_MEANS[partition][algo]:.2f}"])
         lines += _markdown(means) + [""]
         if theirs is not None:
             lines += _at_budgets(every, theirs, partition) + [""]
-        lines += [f"{n} (seed, fold) pairs run for every algorithm: "
-                  f"{', '.join(p.name for p in runs['fedavg']) or 'none yet'}.", ""]
+        split = runs["fedavg"][0].get("split", SPLIT) if n else ""
+        lines += [f"{n} (seed, fold) pairs of one split run for every algorithm ({split}): "
+                  f"{', '.join(r['run'] for r in runs['fedavg']) or 'none yet'}.", ""]
         if n < 2:
             lines += ["(the t-test needs at least 2 paired runs per algorithm)", ""]
             continue
-        loaded = compare.collect([p for paths in runs.values() for p in paths])
-        results, _, note = compare.compare(loaded, metric=metric)
-        lookup = {frozenset((r.a, r.b)): r for r in results}
+        seeds = len({r["run"].split("-")[0] for r in runs["fedavg"]})
+        folds = len({r["run"].split("-")[1] for r in runs["fedavg"]})
         rows = [["row vs column", "fedemu", "paper", "P(row better)", "P(equivalent)", "P(column better)"]]
         for (a, b), paper in PAPER_TABLE[partition].items():
-            r = lookup[frozenset((a, b))]
-            p_row, p_col = (r.p_a, r.p_b) if r.a == a else (r.p_b, r.p_a)
-            rows.append([f"{LABEL[a]} vs {LABEL[b]}", compare.verdict(r, a, 0.95), paper, f"{p_row:.3f}",
-                         f"{r.p_rope:.3f}", f"{p_col:.3f}"])
-        lines += [f"Bayesian correlated t-test on {metric.replace('_', ' ')}: {note}; rope ±0.01, decided at 0.95.",
-                  ""] + _markdown(rows) + [""]
+            x = np.array([r["summary"][metric] for r in runs[a]])
+            y = np.array([r["summary"][metric] for r in runs[b]])
+            p_a, p_rope, p_b, post = compare.test(x, y, 0.01, seeds)
+            result = compare.Result(a, b, float(x.mean()), float(y.mean()), p_a, p_rope, p_b, float(post.mean),
+                                    float(post.var), float(post.df), len(x), seeds)
+            rows.append([f"{LABEL[a]} vs {LABEL[b]}", compare.verdict(result, a, 0.95), paper, f"{p_a:.3f}",
+                         f"{p_rope:.3f}", f"{p_b:.3f}"])
+        lines += [f"Bayesian correlated t-test on {metric.replace('_', ' ')}: {seeds} repetition(s) of "
+                  f"{folds}-fold cross-validation; rope ±0.01, decided at 0.95.", ""] + _markdown(rows) + [""]
     text = "\n".join(lines)
     (out / "table1.md").write_text(text + "\n\n![curves](curves.png)\n")
-    _plot(out, theirs)
+    _plot(out, found, theirs)
     return text
 
 
@@ -219,15 +292,15 @@ def _band(ax, curves, color, label, dashed=False) -> None:
     ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=color, alpha=0.1 if dashed else 0.22, linewidth=0)
 
 
-def _plot(out: Path, theirs: Path | None = None) -> None:
+def _plot(out: Path, found: dict[str, dict[str, dict]], theirs: Path | None = None) -> None:
     from fedemu.launch.report_figures import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
     colors = {"fedavg": "#2f56e0", "coop": "#e0562f", "fsvrg": "#2fa84f", "centralised": "#777777"}
     for ax, partition in zip(axes, ("iid", "shards")):
-        for algo, paths in _runs_for(out, partition).items():
-            curves = [_curve(p) for p in paths]
+        for algo, records in _runs_for(found, partition).items():
+            curves = [c for c in map(_record_curve, records) if c is not None]
             if curves:
                 _band(ax, curves, colors[algo], f"{LABEL[algo]}, fedemu ({len(curves)} run{'s' * (len(curves) != 1)})")
             published = their_curves(theirs, algo, partition) if theirs else []
@@ -252,11 +325,11 @@ def _best_at(curves, uploads: float) -> list[float]:
     return [float(np.max(y[x <= uploads + 1e-9])) * 100 for x, y in curves if np.any(x <= uploads + 1e-9)]
 
 
-def _at_budgets(every: dict[str, list[Path]], theirs: Path, partition: str) -> list[str]:
+def _at_budgets(every: dict[str, list[dict]], theirs: Path, partition: str) -> list[str]:
     """Best accuracy so far at a few upload budgets: fedemu's mean beside their mean and range."""
     rows = [["algorithm"] + [f"{u} uploads per client: fedemu / theirs (min-max)" for u in AT_UPLOADS]]
     for algo in ORDER[:3]:
-        mine = [_curve(p) for p in every[algo]]
+        mine = [c for c in map(_record_curve, every[algo]) if c is not None]
         published = their_curves(theirs, algo, partition)
         cells = []
         for u in AT_UPLOADS:
@@ -284,12 +357,13 @@ def main() -> None:
                         help="what the t-test compares (the paper's notebook: the best)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--theirs", type=Path, help="a checkout of their repository: plot their logs too")
+    parser.add_argument("--records", type=Path, default=RECORDS, help="where completed runs are kept")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         cells = [c for c in CELLS if c[0] in args.cells]
-        run_missing(args.out, list(range(1, args.iterations + 1)), args.folds, cells, args.workers)
-    print(report(args.out, args.metric, args.theirs))
+        run_missing(args.out, list(range(1, args.iterations + 1)), args.folds, cells, args.workers, args.records)
+    print(report(args.out, args.metric, args.theirs, args.records))
 
 
 if __name__ == "__main__":
