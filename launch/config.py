@@ -88,6 +88,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=non_negative, rule=">= 0"),
         "lr": Key(float, "learning rate eta", check=positive, rule="> 0"),
         "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=non_negative, rule=">= 0"),
+        "lr_round_decay": Key(float, "round-based algorithms: the learning rate of round t is lr * "
+                              "lr_round_decay^(t - 1) (McMahan et al.'s CIFAR-10 runs: 0.99); 1 = none",
+                              check=lambda g: 0 < g <= 1, rule="in (0, 1]"),
         "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=non_negative, rule=">= 0"),
         "quorum": Key(int, "minimum updates to aggregate a round", check=positive, rule="> 0"),
         "on_quorum_missed": Key(str, "when a deadline passes below the quorum: skip the round (keep the model), "
@@ -257,6 +260,9 @@ def validate(config: dict) -> None:
                           "leave it at 1 or set run.clock = 'wall'")
     _check_dataset(config["data"])
     _check_model(config["model"]["name"])
+    if config["algorithm"]["lr_round_decay"] != 1.0 and not algorithm.synchronous:
+        raise ConfigError(f"algorithm.lr_round_decay = {config['algorithm']['lr_round_decay']:g}: "
+                          f"{config['algorithm']['name']} has no rounds; use algorithm.lr_decay (per local step)")
     refusal = algorithm.check_config(config)
     if refusal:
         raise ConfigError(refusal)

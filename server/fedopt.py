@@ -54,7 +54,7 @@ class FedOpt(Strategy):
         raise NotImplementedError
 
     def run_round(self, run_phase, weights, round_):
-        replies = run_phase(TRAIN, self.lr, lr_decay=self.lr_decay)
+        replies = run_phase(TRAIN, self.round_lr(round_), lr_decay=self.lr_decay)
         if replies is None:
             return None
         w = weights.astype(np.float64)

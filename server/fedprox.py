@@ -38,5 +38,5 @@ class FedProx(FedAvg):
         return None
 
     def run_round(self, run_phase, weights, round_):
-        replies = run_phase(TRAIN, self.lr, lr_decay=self.lr_decay, prox_mu=self.mu)
+        replies = run_phase(TRAIN, self.round_lr(round_), lr_decay=self.lr_decay, prox_mu=self.mu)
         return None if replies is None else _average(replies)

@@ -151,3 +151,27 @@ def test_fedopt_averages_by_sample_counts_before_its_step():
     w = np.zeros(2, np.float32)
     new = strategy.run_round(Phases([reply([4, 0], 600), reply([0, 8], 200)]), w, 1)
     np.testing.assert_allclose(new, [3 / 4, 2 / 3], atol=1e-6)
+
+
+def test_a_per_round_decay_scales_the_rate_each_round():
+    """McMahan et al.'s CIFAR-10 decay: lr x gamma^(t - 1), FedAvg's sent to the clients,
+    FedSGD's taken by the server's step (then Keras' decay on top)."""
+    fedavg = FedAvg.from_config({"lr": 0.1, "lr_decay": 0.0, "lr_round_decay": 0.5})
+    phases = Phases(*[[reply([1, 1], 1)]] * 3)
+    for round_ in (1, 2, 3):
+        fedavg.run_round(phases, np.zeros(2, np.float32), round_)
+    assert [lr for _, lr, _ in phases.calls] == [0.1, 0.05, 0.025]
+    fedsgd = FedSGD.from_config({"lr": 0.5, "lr_decay": 1.0, "lr_round_decay": 0.5})
+    new = fedsgd.run_round(Phases([reply([2, 0], 1, GRADIENT)]), np.array([1.0, 1.0], np.float32), 3)
+    # lr 0.5 x 0.5^2 = 0.125, then / (1 + 1.0 x 2) = 0.041666...; w - lr g
+    np.testing.assert_allclose(new, [1.0 - 2 * 0.125 / 3, 1.0], rtol=1e-6)
+    assert FedAvg.from_config({"lr": 0.1, "lr_decay": 0.0}).round_lr(50) == 0.1  # none unless asked
+
+
+def test_a_per_round_decay_is_refused_without_rounds():
+    from fedemu.launch import config as configuration
+
+    with pytest.raises(configuration.ConfigError, match="algorithm.lr_round_decay = 0.99: coop has no rounds"):
+        configuration.load(None, ["algorithm.name=coop", "algorithm.lr_round_decay=0.99"])
+    with pytest.raises(configuration.ConfigError, match=r"lr_round_decay = 1.5 is out of range; it must be in \(0, 1\]"):
+        configuration.load(None, ["algorithm.lr_round_decay=1.5"])
