@@ -224,6 +224,8 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "start":
         return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), "
                 f"{event['per_round']} per round, {event.get('clock', 'wall')} clock")
+    if kind == "hint":
+        return f"hint: {event['message']}"
     if kind == "fault":
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":

@@ -323,6 +323,7 @@ class RoundEngine(Engine):
             raise ValueError(f"on_quorum_missed = {self.on_quorum_missed!r}; use {' or '.join(QUORUM_POLICIES)}")
         if self.over_select and strategy.selects_all:
             raise ValueError(f"{strategy.name} selects every client: over_select does not apply")
+        self._deadline_hinted = False
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -368,10 +369,27 @@ class RoundEngine(Engine):
                 offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
                 round_s=round(time.monotonic() - started, 4),  # wall
             )
+            self._hint_if_the_deadline_cut_everyone(round_, book)
             reason = self._finished(round_, accuracy)
             if reason:
                 return "completed", reason
         return "completed", f"ran {s.rounds} rounds"
+
+    def _hint_if_the_deadline_cut_everyone(self, round_: int, book: _RoundBook) -> str | None:
+        """Once a run: a round in which no selected client answered before the deadline,
+        none of them lost, is most often a deadline shorter than the emulated training
+        (a heavier model or more epochs than the default job's): say so, naming the keys."""
+        if (self._deadline_hinted or book.final_replies or not book.quorum_missed
+                or book.stragglers != set(book.selected) - book.dropped or not book.stragglers):
+            return None
+        self._deadline_hinted = True
+        message = (f"round {round_}: none of the {len(book.stragglers)} selected clients answered within "
+                   f"algorithm.deadline_s = {self.settings.deadline_s:g} emulated s, so the model was kept; if their "
+                   f"training takes longer on the emulated device (run.device_flops), raise algorithm.deadline_s "
+                   f"or set it to 0 (wait for every answer)")
+        log.warning("%s", message)
+        self.runlog.event("hint", round=round_, message=message)
+        return message
 
     def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str, lr: float,
                lr_decay: float = 0.0, full_gradient: np.ndarray | None = None,

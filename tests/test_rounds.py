@@ -157,6 +157,22 @@ def test_skip_policy_does_not_extend(tmp_path):
     assert len(proc.script) == 1
 
 
+def test_a_deadline_that_cuts_every_client_is_named_once(tmp_path):
+    from fedemu.server.runlog import read_events
+
+    eng = engine(tmp_path, quorum=1, on_quorum_missed="skip")
+    replies, book = run_phase(eng, ScriptedProc(WAIT), [0, 1, 2])
+    assert replies is None and book.stragglers == {0, 1, 2}
+    hint = eng._hint_if_the_deadline_cut_everyone(1, book)
+    assert "none of the 3 selected clients answered within algorithm.deadline_s = 0.05 emulated s" in hint
+    assert eng._hint_if_the_deadline_cut_everyone(2, book) is None  # once a run
+    assert [e["message"] for e in read_events(tmp_path) if e["event"] == "hint"] == [hint]
+    # A round that aggregated, or lost a client, is not that case.
+    fresh = engine(tmp_path / "b", quorum=1)
+    _, answered = run_phase(fresh, ScriptedProc(reply(0), WAIT), [0, 1])
+    assert fresh._hint_if_the_deadline_cut_everyone(1, answered) is None
+
+
 def test_quorum_met_in_time_records_nothing(tmp_path):
     eng = engine(tmp_path, quorum=2, on_quorum_missed="extend_once")
     replies, book = run_phase(eng, ScriptedProc(reply(0), reply(1), reply(2)), [0, 1, 2])
