@@ -14,7 +14,7 @@ import time
 from . import wire
 from .registry import NodeInfo
 from .vclock import sender_of
-from .wire import BROKER_NODE, CTL, USER, VERSION, Pid, WireError
+from .wire import BROKER_NODE, CTL, USER, VERSION, Pid
 
 
 class Routing:
@@ -60,11 +60,10 @@ class Routing:
 
     def _on_other(self, identity: bytes, info: NodeInfo | None, frames: list) -> None:
         """Everything but the fast path: control traffic, emulated links, and faults."""
-        if len(frames) < 2:
-            raise WireError(f"{len(frames)} frame(s); a message needs a header and a body")
-        size = sum(len(f) for f in frames)
-        if size > self.max_message_bytes:
-            self._drop("oversize", f"{size} bytes from {identity!r} exceed {self.max_message_bytes}")
+        try:
+            size = wire.check_envelope(frames, self.max_message_bytes)
+        except wire.OversizeError as exc:
+            self._drop("oversize", f"from {identity!r}: {exc}")
             return
         header = wire.unpack_header(frames[0].buffer)  # the full checks, naming the fault
         if header.src.node.encode() != identity:

@@ -51,6 +51,10 @@ class WireError(ValueError):
     """A frame that cannot be decoded; the message names what is wrong."""
 
 
+class OversizeError(WireError):
+    """A message over the size limit: its own error, as the broker counts these apart."""
+
+
 class Pid(NamedTuple):
     """A process id: the node it lives on and its id there."""
 
@@ -312,14 +316,21 @@ def encode(kind: int, src: Pid, dst: Pid | str, payload: Any, timing: float | Ho
 
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, Any]:
     """Frames (without any routing identity) -> (header, payload)."""
+    check_envelope(frames, max_bytes)
+    header = unpack_header(_small(frames[0]))
+    payload = unpack_body(_small(frames[1]), frames[2:])
+    return header, payload
+
+
+def check_envelope(frames: list, max_bytes: int) -> int:
+    """What every message must be before its header is read: a header and a body frame,
+    ``max_bytes`` or fewer in all. Returns its size; WireError (OversizeError) says why not."""
     if len(frames) < 2:
         raise WireError(f"{len(frames)} frame(s); a message needs a header and a body")
     size = message_size(frames)
     if size > max_bytes:
-        raise WireError(f"message of {size} bytes exceeds the limit of {max_bytes}")
-    header = unpack_header(_small(frames[0]))
-    payload = unpack_body(_small(frames[1]), frames[2:])
-    return header, payload
+        raise OversizeError(f"message of {size} bytes exceeds the limit of {max_bytes}")
+    return size
 
 
 def message_size(frames: list) -> int:

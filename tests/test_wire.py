@@ -88,8 +88,13 @@ def test_malformed_messages_name_the_problem(frames, reason):
 
 def test_size_limit():
     frames = wire.encode(wire.USER, SRC, DST, np.zeros(1000, np.uint8))
-    with pytest.raises(WireError, match="exceeds the limit of 500"):
+    with pytest.raises(wire.OversizeError, match="exceeds the limit of 500"):
         wire.decode(frames, max_bytes=500)
+    # The one envelope check decode and the broker share: size returned, or why not.
+    assert wire.check_envelope(frames, max_bytes=10_000) == wire.message_size(frames)
+    with pytest.raises(WireError, match="1 frame") as caught:
+        wire.check_envelope(frames[:1], max_bytes=10_000)
+    assert not isinstance(caught.value, wire.OversizeError)
 
 
 def test_the_brokers_fast_check_takes_exactly_the_well_formed_user_headers():
