@@ -90,6 +90,8 @@ SPLIT = "named streams"
 
 
 def record_path(records: Path, cell: str, run: str) -> Path:
+    """Where a run of today's split is kept; a run of another split is kept beside it as
+    <run>@<split>.json, so the names never collide."""
     return records / cell / f"{run}.json"
 
 
@@ -109,7 +111,7 @@ def write_record(records: Path, cell: str, path: Path) -> dict:
 
 
 def load_records(out: Path, records: Path) -> dict[str, dict[str, dict]]:
-    """{cell: {run name: record}}: the kept records, and OUT's completed runs (recorded
+    """{cell: {file stem: record}}: the kept records, and OUT's completed runs (recorded
     now if they were not)."""
     found: dict[str, dict[str, dict]] = {cell: {} for cell, *_ in CELLS}
     for cell in found:
