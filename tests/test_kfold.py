@@ -82,7 +82,7 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers(labels):
         kfold.iid(N, FOLDS, K, 1).train(5)
 
 
-def tiny_dataset() -> Dataset:
+def tiny_dataset() -> Data:
     rng = np.random.default_rng(3)
     train_labels = np.repeat(np.arange(10), 8).astype(np.uint8)  # 80 train + 20 test = 100
     test_labels = np.repeat(np.arange(10), 2).astype(np.uint8)

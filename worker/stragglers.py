@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from fedemu.node import streams
 from fedemu.node.links import LinkConfigError, parse_ids
 
