@@ -116,7 +116,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     run, algo = config["run"], config["algorithm"]
     _set_torch_threads(config, 1)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
-    run_data, _ = split.run_data(data_spec(config))
+    run_data, _ = split.run_data(data_spec(config), shares=False)
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
     asynchronous = not rule.synchronous
     settings = Settings(

@@ -32,16 +32,19 @@ class DataSpec:
     cache_dir: str | os.PathLike | None = None
 
 
-def run_data(spec: DataSpec, progress=print) -> tuple[data.Data, list[np.ndarray]]:
+def run_data(spec: DataSpec, progress=print, shares: bool = True) -> tuple[data.Data, list[np.ndarray] | None]:
     """(the run's data, each client's indices into its training arrays). With k-fold the
     data's training arrays are the pooled set (train + test) and its test arrays the
-    held-out fold ``spec.fold``."""
-    return split(spec, data.load(spec.dataset, spec.cache_dir, progress))
+    held-out fold ``spec.fold``. ``shares=False``: the data alone (the server, which
+    trains no client, need not cut the partition; the shares are then None without k-fold)."""
+    return split(spec, data.load(spec.dataset, spec.cache_dir, progress), shares)
 
 
-def split(spec: DataSpec, data_set: data.Data) -> tuple[data.Data, list[np.ndarray]]:
+def split(spec: DataSpec, data_set: data.Data, shares: bool = True) -> tuple[data.Data, list[np.ndarray] | None]:
     """:func:`run_data` on a data set already loaded."""
     if not spec.folds:
+        if not shares:
+            return data_set, None
         return data_set, partition.make(spec.partition, data_set.train_y, spec.clients, spec.seed,
                                         **_options(spec, data_set))
     x = np.concatenate([data_set.train_x, data_set.test_x])
