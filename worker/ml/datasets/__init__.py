@@ -29,7 +29,7 @@ import re
 import threading
 import time
 import urllib.request
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
@@ -299,7 +299,3 @@ def get(name: str) -> Dataset:
     if cls not in _instances:
         _instances[cls] = cls()
     return _instances[cls]
-
-
-def describe_all() -> list[tuple[str, Any]]:
-    return [(name, get(name)) for name in built_in()]
