@@ -160,10 +160,11 @@ def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, 
 def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
            max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None) -> None:
     """Run the message broker that every node connects to."""
-    from .lifecycle import die_with_parent
+    from .lifecycle import die_with_parent, retain_freed_memory
     from .nodes import run_broker, setup_logging
 
     die_with_parent()  # a launcher killed outright takes its broker with it
+    retain_freed_memory()
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
     try:
         run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,
@@ -183,10 +184,11 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
          log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
-    from .lifecycle import die_with_parent
+    from .lifecycle import die_with_parent, retain_freed_memory
     from .nodes import run_server_node, run_worker_node, setup_logging
 
     die_with_parent()  # a launcher (or host agent) killed outright takes its nodes with it
+    retain_freed_memory()
     name = "server" if role == "server" else f"worker-{index}"
     setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
     if role == "server":

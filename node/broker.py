@@ -92,6 +92,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         self._init_devices()
         # Virtual time: the broker owns the clock and holds every message until due.
         self.scheduler = VirtualScheduler(self) if clock == "virtual" else None
+        self._stash_ids = 0  # virtual time: bodies of messages to many, held by their nodes
         self._wake_deadline = math.inf  # the scheduler's next look, in wall time
         if self.scheduler is not None:
             self.time_scale = 1.0  # nothing waits on the wall clock

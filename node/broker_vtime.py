@@ -10,7 +10,21 @@ names or sockets; and from routing because wall time never comes here.
 """
 from __future__ import annotations
 
+from . import wire
 from .wire import Pid
+
+
+class Release(list):
+    """The frames of a stash's release to one receiver (see _transmit_virtual_many);
+    ``void()``: the same release once the copy it stands for was lost on the way."""
+
+    def __init__(self, src: Pid, node: str, stash: int, receiver: int, void: bool = False) -> None:
+        note = {"release": stash, "to": receiver, **({"void": True} if void else {})}
+        super().__init__(wire.many_frames(src, node, 1, note, []))
+        self.args = (src, node, stash, receiver)
+
+    def void(self) -> Release:
+        return Release(*self.args, void=True)
 
 
 class VirtualTimeCalls:
@@ -36,6 +50,8 @@ class VirtualTimeCalls:
             header, frames, receiver = payload
             self._relay_ctl(header, frames, hold=lambda node, msg: self.scheduler.hold(
                 self.scheduler.now, sender, sequence, receiver, node, msg))
+        elif kind == "many":
+            self._transmit_virtual_many(sender, sequence, *payload)
         elif kind == "round":
             self._apply_round(payload)
         elif kind == "set_links":
@@ -59,6 +75,44 @@ class VirtualTimeCalls:
         arrival = self._arrival(link, direction, size, now)
         if arrival is not None:
             self.scheduler.hold(arrival, src, sequence, dst_pid, target.name, frames, link, direction)
+
+    def _transmit_virtual_many(self, src: Pid, sequence: int, header: wire.Header, frames: list, size: int,
+                               ids: list[int]) -> None:
+        """A message to many sent at the current instant: each receiver's copy through
+        its link's model to its own due time. The node gets the body now, once (a
+        stash, not a delivery: it runs nothing), and each receiver a small release at
+        its instant, held and ordered like any message."""
+        target = self._nodes.get(header.dst_node)
+        if target is None:
+            self._drop("unknown-destination", f"node {header.dst_node!r} is not connected")
+            return
+        now = self.scheduler.now
+        arrivals = []
+        for i in ids:
+            crossing = self._account(src, Pid(target.name, i), size) if self._link_of else self._other(size)
+            if crossing is None or not self._emulating:
+                arrivals.append((now, i, -1, -1))
+                continue
+            arrival = self._arrival(*crossing, size, now)
+            if arrival is not None:
+                arrivals.append((arrival, i, *crossing))
+        if not arrivals:
+            return
+        self._stash_ids += 1
+        stash = self._stash_ids
+        self.stats.fanout_msgs += 1
+        self.stats.fanout_receivers += len(arrivals)
+        self._send(target.identity, wire.many_frames(src, target.name, len(arrivals),
+                                                     {"stash": stash, "count": len(arrivals)}, frames[2:]), target.name)
+        for index, (due, i, link, direction) in enumerate(arrivals):
+            self.scheduler.hold(due, src, sequence, Pid(target.name, i), target.name, Release(src, target.name, stash, i),
+                                link, direction, index)
+
+    def _order_of(self, sender: Pid) -> tuple:
+        """Where a sender's messages come among those due at one instant: a client's by
+        its link (its number, whichever node hosts it), then anyone else's by pid."""
+        link = self._link_of.get(sender)
+        return (0, link, "", 0) if link is not None else (1, -1, sender.node, sender.id)
 
     def _clock_moved(self) -> None:
         """The virtual clock moved on: time-based availability changes and scripted

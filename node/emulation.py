@@ -57,6 +57,8 @@ class BrokerStats:
     other_msgs: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     refused: int = 0  # connections refused by authentication
+    fanout_msgs: int = 0  # messages to many, each relayed once to its node
+    fanout_receivers: int = 0  # the receivers those reached (each also counted on its link)
 
     def as_dict(self) -> dict[str, Any]:
         links = self.links.values()
@@ -73,6 +75,8 @@ class BrokerStats:
             "msgs_other": self.other_msgs,
             "dropped": dict(self.dropped),
             "refused": self.refused,
+            "fanout_msgs": self.fanout_msgs,
+            "fanout_receivers": self.fanout_receivers,
         }
 
 
@@ -116,18 +120,25 @@ class LinkEmulation:
     def _emulate(self, crossing: tuple[int, int], size: int, target: NodeInfo, fields: list, frames: list) -> None:
         link, direction = crossing
         now = time.monotonic()
+        due = self._wall_due(link, direction, size, fields[6] if len(fields) == 7 else None, now)
+        if due is None:
+            return
+        header = wire.held_header(fields, Hold(due - now, now, link, direction))
+        self._send(target.identity, [header, *frames[1:]], target.name)
+
+    def _wall_due(self, link: int, direction: int, size: int, sent: float | None, now: float) -> float | None:
+        """Wall time: when (broker clock) a message the sender sent at ``sent`` (its
+        stamp; None: unstamped) arrives over ``link``, or None if it is lost (counted)."""
         # The model's clock starts when the sender sent (its stamp, in this clock),
         # so the bytes' trip here is part of the emulated delay, not added to it.
-        sent = fields[6] if len(fields) == 7 else None
         entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
         arrival = self._arrival(link, direction, size, (entry - self._t0) * self.time_scale)
         if arrival is None:
-            return
+            return None
         due = self._t0 + arrival / self.time_scale
         if due > self._flight_until.get(link, 0.0):
             self._flight_until[link] = due
-        header = wire.held_header(fields, Hold(due - now, now, link, direction))
-        self._send(target.identity, [header, *frames[1:]], target.name)
+        return due
 
     def _arrival(self, link: int, direction: int, size: int, entry: float) -> float | None:
         """When a message entering ``link`` at emulated time ``entry`` arrives, by the

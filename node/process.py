@@ -116,6 +116,12 @@ class Process:
         (as in Erlang) if the destination does not exist."""
         self.node._send(USER, self.pid, dst, body)
 
+    def send_many(self, dsts: list[Pid], body: Any) -> None:
+        """Send ``body`` to every pid in ``dsts``, as many sends would, but encoded once
+        and carried once per node they live on (a model broadcast to a round's clients).
+        Each receiver decodes its own copy; arrays in it are read-only and shared."""
+        self.node._send_many(self.pid, list(dsts), body)
+
     def monitor(self, target: Pid) -> int:
         """Watch ``target``; exactly one :class:`Down` with this ref will arrive."""
         return self.node._monitor(self.pid, target)

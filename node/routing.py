@@ -14,7 +14,7 @@ import time
 from . import wire
 from .registry import NodeInfo
 from .vclock import sender_of
-from .wire import BROKER_NODE, CTL, USER, VERSION, Pid
+from .wire import BROKER_NODE, CTL, MANY, USER, VERSION, Pid
 
 
 class Routing:
@@ -87,6 +87,9 @@ class Routing:
             return
         if self.scheduler is not None:
             self.scheduler.heard(info.name)
+        if header.kind == MANY:
+            self._route_many(header, frames, size)
+            return
         # A user message whose timing field is not a send time: route it, unstamped.
         self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
                          frames, size, header.src)
@@ -104,6 +107,35 @@ class Routing:
             self._emulate(crossing, size, target, fields, frames)
             return
         self._send(target.identity, frames, target.name)
+
+    def _route_many(self, header: wire.Header, frames: list, size: int) -> None:
+        """A message to many processes of one node: each receiver's link is charged and
+        emulated as for a message of its own, and the node gets the body once, with
+        each receiver's hold (in virtual time: a stash, and a release per receiver)."""
+        ids = wire.check_ids(wire.unpack_recipients(frames[1]), header.dst)
+        target = self._nodes.get(header.dst_node)
+        if target is None:
+            self._drop("unknown-destination", f"node {header.dst_node!r} is not connected")
+            return
+        if self.scheduler is not None:
+            self.scheduler.accept(header.src, "many", (header, frames, size, ids))
+            return
+        now = time.monotonic()
+        sent = header.timing if type(header.timing) is float else None
+        to = []
+        for i in ids:
+            crossing = self._account(header.src, Pid(header.dst_node, i), size) if self._link_of else self._other(size)
+            if crossing is None or not self._emulating:
+                to.append([i, 0.0, -1, -1])
+                continue
+            due = self._wall_due(*crossing, size, sent, now)
+            if due is not None:
+                to.append([i, due - now, *crossing])
+        if to:
+            self.stats.fanout_msgs += 1
+            self.stats.fanout_receivers += len(to)
+            self._send(target.identity, wire.many_frames(header.src, target.name, len(to), {"at": now, "holds": to},
+                                                         frames[2:]), target.name)
 
     def _destination(self, fields: list) -> tuple[Pid, NodeInfo] | None:
         """A user message's receiver and its node, or None (dropped, with the reason)."""

@@ -27,7 +27,7 @@ from .broker import _NOBLOCK, _SNDMORE
 from .control import RELAYED_OPS, WORK_OPS
 from .process import Message, Process
 from .security import PROTOCOL_ERRORS, pending_monitor_events
-from .wire import BROKER_NODE, BROKER_PID, CTL, USER, Hold, Pid, WireError
+from .wire import BROKER_NODE, BROKER_PID, CTL, MANY, USER, Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.node")
 
@@ -59,6 +59,9 @@ class Transport:
         # from the I/O thread) once per group, not once per message.
         self._to_hand_over: dict[Process, list[Message]] = {}
         self._to_hand_over_count = 0
+        # Virtual time: bodies of messages to many, by the broker's stash id: [sender,
+        # fanout, releases still to come].
+        self._stashes: dict[int, list] = {}
 
     def _connect(self) -> None:
         """Open the socket to the broker and start the I/O thread."""
@@ -101,6 +104,29 @@ class Transport:
         sent = time.monotonic() + offset if offset is not None and kind == USER and not self.clock.virtual else None
         self._outbox.append(wire.encode(kind, src, dst, body, sent))
         self._report_due = True
+        self._wake()
+
+    def _send_many(self, src: Pid, dsts: list[Pid], body: Any) -> None:
+        """``body`` to each of ``dsts``: one message per node they live on, so a model
+        sent to a thousand clients crosses the broker once per worker node; the broker
+        still charges each receiver's link as if it had been sent alone."""
+        groups: dict[str, list[int]] = {}
+        for dst in dsts:
+            if not isinstance(dst, Pid):
+                raise TypeError(f"send_many needs pids, not {dst!r}")
+            groups.setdefault(dst.node, []).append(dst.id)
+        for node, ids in groups.items():
+            if len(ids) == 1 or (node == self.name and (src.id == 0 or not self.clock.virtual)):
+                for i in ids:  # what stays local (see _send), or a message like any other
+                    self._send(USER, src, Pid(node, i), body)
+                continue
+            if self.closed.is_set():
+                self.dropped["node-closed"] += len(ids)
+                continue
+            offset = self._broker_clock.offset
+            sent = time.monotonic() + offset if offset is not None and not self.clock.virtual else None
+            self._outbox.append(wire.encode_many(src, node, ids, body, sent))
+            self._report_due = True
         self._wake()
 
     def _send_ctl(self, dst: Pid, body: dict) -> None:
@@ -255,7 +281,12 @@ class Transport:
         except WireError as exc:
             self._drop("malformed", str(exc))
             return
-        if header.kind == USER:
+        if header.kind == MANY:
+            try:
+                self._on_many(header, body)
+            except WireError as exc:
+                self._drop("malformed", f"message to many from {header.src}: {exc}")
+        elif header.kind == USER:
             dst = header.dst
             if isinstance(dst, str):
                 proc = self._names.get(dst)
@@ -283,6 +314,51 @@ class Transport:
                 self._drop("malformed", f"control message {body!r}: {type(exc).__name__}: {exc}")
             if self.clock.virtual and body["op"] in WORK_OPS:
                 self._count_work(in_batch=body["op"] in RELAYED_OPS)
+
+    def _on_many(self, header: wire.Header, fanout: wire.Fanout) -> None:
+        """A message to many from the broker. In wall time, each recipient's copy with
+        its hold (``holds``: [id, hold, link, direction], link -1 when no emulated link
+        delays it). In virtual time the body comes first (``stash``, with how many
+        ``release`` notes will refer to it) and each recipient's note comes at its
+        instant, as a delivery of that instant."""
+        note = fanout.recipients
+        if not isinstance(note, dict):
+            raise WireError(f"recipients record {note!r} is not a map")
+        if "holds" in note:
+            at, to = note.get("at"), note["holds"]
+            if type(at) is not float or type(to) is not list:
+                raise WireError("a fan-out needs a time and a list of recipients")
+            for entry in to:
+                if not (type(entry) is list and len(entry) == 4 and type(entry[0]) is int
+                        and type(entry[1]) is float and type(entry[2]) is int and entry[3] in (-1, 0, 1)):
+                    raise WireError(f"bad recipient {entry!r}")
+                dst, hold, link, direction = entry
+                timing = Hold(hold, at, link, direction) if link >= 0 else None
+                body = fanout.body()
+                if type(timing) is Hold or self._held.pairs:
+                    self._held.arrive(header.src, dst, body, timing)
+                else:
+                    self._io_deliver(header.src, dst, body)
+        elif "stash" in note:
+            sid, count = note["stash"], note.get("count")
+            if type(sid) is not int or type(count) is not int or count < 1 or not fanout.frames:
+                raise WireError("a stash needs an id, a count and a body")
+            self._stashes[sid] = [header.src, fanout, count]
+        elif "release" in note:
+            try:
+                sid, dst = note["release"], note.get("to")
+                stash = self._stashes.get(sid)
+                if stash is None or type(dst) is not int:
+                    raise WireError(f"release of unknown stash {sid!r} (or no recipient)")
+                stash[2] -= 1
+                if stash[2] == 0:
+                    del self._stashes[sid]
+                if not note.get("void"):  # void: lost on the way (its link went offline)
+                    self._io_deliver(stash[0], dst, stash[1].body())
+            finally:  # a delivery of the instant, whatever became of it: the broker counted it
+                self._count_work(in_batch=True)
+        else:
+            raise WireError(f"recipients record with keys {sorted(note)!r}")
 
     def _deliver_local(self, sender: Pid, dst_id: int, body: Any) -> None:
         proc = self._procs.get(dst_id)

@@ -14,8 +14,8 @@ moves only when the whole run is quiescent:
 At quiescence the broker first takes what the processes sent during the instant, in a
 fixed order (sender, then the sender's sequence number), through the link model: a
 message gets its due time; a round announcement or a change of links takes effect in
-its place in that order. Then everything due now is delivered, in (due, sender,
-sequence) order; with nothing due now, the clock jumps to the earliest of a held
+its place in that order. Then everything due now is delivered, in (due, sender's place,
+sequence) order (``_Held``); with nothing due now, the clock jumps to the earliest of a held
 message's due time, a node's timer, an availability change or a scripted event. Each
 node involved hears one ``advance`` (the new instant, the broker's notices for it, and
 how many deliveries follow), takes the deliveries, then fires its timers due by then.
@@ -35,7 +35,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .wire import Pid
 
@@ -70,8 +70,9 @@ class VirtualScheduler:
         # What processes sent during this instant: (sender, its sequence, what, payload).
         self._inputs: list[tuple[Pid, int, str, Any]] = []
         self._sequence: dict[Pid, int] = {}
-        # Held until due: (due, sender, sequence, node, frames, link, direction).
-        self._held: list[tuple] = []
+        # Held until due, in delivery order: see _Held.
+        self._held: list[_Held] = []
+        self._holds = 0  # holds so far: the last tie-break, so no two entries compare equal
         # Per (sender, receiver): the latest due time held, so no later message overtakes.
         self._last_due: dict[tuple, float] = {}
         self._prune_at = 1024
@@ -92,7 +93,7 @@ class VirtualScheduler:
         was held for it is dropped (it could never be delivered)."""
         self._views.pop(node, None)
         self._notices.pop(node, None)
-        kept = [entry for entry in self._held if entry[3] != node]
+        kept = [entry for entry in self._held if entry.node != node]
         if len(kept) != len(self._held):
             heapq.heapify(kept)
             self._held = kept
@@ -132,21 +133,31 @@ class VirtualScheduler:
         self._notices.setdefault(node, []).append(body)
 
     def hold(self, due: float, sender: Pid, sequence: int, receiver: Any, node: str, frames: list,
-             link: int = -1, direction: int = -1) -> None:
+             link: int = -1, direction: int = -1, index: int = 0) -> None:
+        """Hold ``frames`` for ``node`` until ``due``; ``index``: the receiver's place
+        among those of one message to many."""
         key = (sender, receiver)
         due = max(due, self.now, self._last_due.get(key, -math.inf))  # FIFO per pair of processes
         self._last_due[key] = due
-        heapq.heappush(self._held, (due, sender, sequence, node, frames, link, direction))
+        self._holds += 1
+        heapq.heappush(self._held, _Held(due, self.broker._order_of(sender), sequence, index, self._holds, node,
+                                         frames, link, direction))
 
     def drop_held(self, gone: Callable[[int], bool], lost: Callable[[int, int], None]) -> None:
-        """Drop what is in flight on links now offline (``gone(link)``), each counted lost."""
-        kept = []
+        """Drop what is in flight on links now offline (``gone(link)``), each counted
+        lost. A receiver's release of a message to many is kept, void: its node frees
+        the body when every release has come."""
+        kept, changed = [], False
         for entry in self._held:
-            if entry[5] >= 0 and entry[0] > self.now and gone(entry[5]):
-                lost(entry[5], entry[6])
+            if entry.link >= 0 and entry.due > self.now and gone(entry.link):
+                lost(entry.link, entry.direction)
+                changed = True
+                void = getattr(entry.frames, "void", None)
+                if void is not None:
+                    kept.append(entry._replace(frames=void(), link=-1))
             else:
                 kept.append(entry)
-        if len(kept) != len(self._held):
+        if changed:
             heapq.heapify(kept)
             self._held = kept
 
@@ -179,7 +190,7 @@ class VirtualScheduler:
     def _next_event(self) -> float:
         candidates = [self.broker._next_scheduled_change()]
         if self._held:
-            candidates.append(self._held[0][0])
+            candidates.append(self._held[0].due)
         candidates += [view.next for view in self._views.values() if view.next is not None]
         return min(candidates)
 
@@ -189,9 +200,9 @@ class VirtualScheduler:
         sequence) order. False if nothing is due."""
         batches: dict[str, list[list]] = {}
         held = self._held
-        while held and held[0][0] <= self.now:
+        while held and held[0].due <= self.now:
             entry = heapq.heappop(held)
-            batches.setdefault(entry[3], []).append(entry[4])
+            batches.setdefault(entry.node, []).append(entry.frames)
         involved = set(batches) | set(self._notices)
         involved |= {name for name, view in self._views.items() if view.next is not None and view.next <= self.now}
         if self.now > self._announced:
@@ -233,6 +244,24 @@ class VirtualScheduler:
     @property
     def held(self) -> int:
         return len(self._held)
+
+
+class _Held(NamedTuple):
+    """A message held until due. Entries compare as tuples, so the fields up to ``tie``
+    are the delivery order: due time, then the sender's place (the broker's
+    ``_order_of``: clients by their link, so a round's uploads reach the server in the
+    same order whatever node hosts which client), the sender's sequence, the place
+    among the receivers of one message to many, and the order of holding."""
+
+    due: float
+    order: tuple
+    sequence: int
+    index: int
+    tie: int
+    node: str
+    frames: list
+    link: int
+    direction: int
 
 
 def sender_of(header_src: Pid, body: Any) -> Pid:

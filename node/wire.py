@@ -9,6 +9,9 @@ A message is a multipart ZeroMQ message::
   the broker unpacks, so routing cost does not grow with the payload. ``dst`` is a
   local process id (int) or a registered name (str); ``dst_node`` is ``""`` when the
   destination is a name the broker must resolve.
+* A message to many processes of one node (``MANY``, see :func:`encode_many`) has a
+  ``recipients`` frame between the header and the body: it crosses each socket once
+  and the receiving node decodes the body once per recipient.
 * ``body`` — msgpack of the payload. ndarrays inside it are replaced by a small
   extension record (index, dtype, shape) and travel as the raw frames that follow,
   so a 800 KB model is never copied into a msgpack buffer and never pickled.
@@ -33,6 +36,7 @@ VERSION = 1
 # Message kinds (header[1]).
 USER = 0  # a message between processes
 CTL = 1  # runtime control traffic (hello, heartbeat, monitor, down, register, ...)
+MANY = 2  # one message to many processes of one node: [header, recipients, body, arrays...]
 
 # Extension type codes inside a body.
 _EXT_PID = 1
@@ -42,6 +46,7 @@ _EXT_MESSAGE = 3
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_HEADER_BYTES = 4096
 MAX_ARRAYS = 1024
+MAX_RECIPIENTS = 1_000_000  # processes one MANY message may address
 
 # Plain numeric dtypes only: object or structured dtypes could smuggle arbitrary data.
 _ALLOWED_DTYPE_KINDS = set("biuf")
@@ -133,8 +138,10 @@ def unpack_header(frame: bytes | memoryview) -> Header:
     version, kind, src_node, src_id, dst_node, dst = fields[:6]
     if version != VERSION:
         raise WireError(f"wire version {version!r}, expected {VERSION}")
-    if kind not in (USER, CTL):
+    if kind not in (USER, CTL, MANY):
         raise WireError(f"unknown message kind {kind!r}")
+    if kind == MANY and (type(dst) is not int or not 1 <= dst <= MAX_RECIPIENTS or not dst_node):
+        raise WireError(f"a message to many names a node and 1..{MAX_RECIPIENTS} recipients, not {dst_node!r}, {dst!r}")
     if not isinstance(src_node, str) or not isinstance(src_id, int):
         raise WireError("header source is not (str, int)")
     if not isinstance(dst_node, str) or not isinstance(dst, (int, str)) or isinstance(dst, bool):
@@ -315,11 +322,61 @@ def encode(kind: int, src: Pid, dst: Pid | str, payload: Any, timing: float | Ho
 
 
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, Any]:
-    """Frames (without any routing identity) -> (header, payload)."""
+    """Frames (without any routing identity) -> (header, payload); for a message to
+    many (``MANY``), the payload is a :class:`Fanout` whose body is not decoded yet."""
     check_envelope(frames, max_bytes)
     header = unpack_header(_small(frames[0]))
+    if header.kind == MANY:
+        return header, Fanout(unpack_recipients(frames[1]), frames[2:])
     payload = unpack_body(_small(frames[1]), frames[2:])
     return header, payload
+
+
+# --- messages to many -------------------------------------------------------------
+
+
+class Fanout(NamedTuple):
+    """A decoded ``MANY`` message: who it is for, and its body frames, decoded once per
+    recipient (:meth:`body`) so no two receivers share a mutable object; their arrays
+    are read-only views of the one received buffer."""
+
+    recipients: Any  # as the sender wrote it: checked by whoever reads it
+    frames: list  # [body, arrays...]; empty for a message that carries none
+
+    def body(self) -> Any:
+        if not self.frames:
+            raise WireError("this message to many carries no body")
+        return unpack_body(_small(self.frames[0]), self.frames[1:])
+
+
+def encode_many(src: Pid, dst_node: str, ids: list[int], payload: Any, timing: float | None = None) -> list:
+    """One message for processes ``ids`` of node ``dst_node``: one body for all of them,
+    so it crosses each socket once, however many receive it."""
+    return [pack_header(MANY, src, Pid(dst_node, len(ids)), timing), _packb(ids), *pack_body(payload)]
+
+
+def many_frames(src: Pid, dst_node: str, count: int, recipients: Any, body_frames: list) -> list:
+    """A ``MANY`` message as the broker forwards one: its own recipients record, the
+    body frames as received (zero-copy)."""
+    return [pack_header(MANY, src, Pid(dst_node, count)), _packb(recipients), *body_frames]
+
+
+def unpack_recipients(frame: Any) -> Any:
+    data = _small(frame)
+    if len(data) > 16 * MAX_RECIPIENTS:
+        raise WireError(f"recipients frame of {len(data)} bytes is too large")
+    try:
+        return msgpack.unpackb(data, use_list=True, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise WireError(f"recipients frame is not msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def check_ids(ids: Any, count: int) -> list[int]:
+    """The recipients a node sent: ``count`` distinct local process ids."""
+    if (type(ids) is not list or len(ids) != count or not all(type(i) is int and 0 < i < 2**63 for i in ids)
+            or len(set(ids)) != count):
+        raise WireError(f"recipients are not {count} distinct process ids")
+    return ids
 
 
 def check_envelope(frames: list, max_bytes: int) -> int:

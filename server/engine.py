@@ -35,7 +35,7 @@ from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_se
 from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
 
 from .runlog import RunLog, RunLogError
-from .strategies import Strategy, selected_per_round
+from .strategies import Replies, Strategy, selected_per_round
 
 log = logging.getLogger("fedemu.server")
 
@@ -400,14 +400,13 @@ class RoundEngine(Engine):
                                full_gradient=full_gradient, prox_mu=prox_mu,
                                compression=s.compression if task == TRAIN and self.codec else None)
         asked = [k for k in book.selected if k in self.live]
-        for k in asked:
-            proc.send(self.pids[k], request)
+        proc.send_many([self.pids[k] for k in asked], request)  # one copy per worker node
         period = s.deadline_s if s.deadline_s else float("inf")  # emulated seconds
         deadline = proc.now() + period
         extended = False
         waiting = self._waiting = set(asked)  # (and the round: what a deadlock names)
         self._round = round_
-        replies: list[TrainReply] = []
+        replies = Replies()  # each update folded into the phase's mean as it arrives
         watchdog = time.monotonic() + s.progress_timeout_s  # wall: a node stuck for real
         while waiting and not (book.target and len(replies) >= book.target):
             msg = self._receive(proc, (TrainReply, Down, WorkerReady),
@@ -437,7 +436,7 @@ class RoundEngine(Engine):
                 if body.encoded is not None and not self._decode(body, round_):
                     book.dropped.add(body.client)
                     continue
-                replies.append(body)
+                replies.fold(body, keep_update=self.strategy.keeps_updates)
             # else: a straggler's reply from an earlier round or phase, which has closed.
         if book.target and len(replies) >= book.target:
             book.discarded |= waiting  # over-selected: m answered first, these are not waited for

@@ -42,6 +42,7 @@ OPTIONS = {
 
 class FedOpt(Strategy):
     options = OPTIONS
+    keeps_updates = False
 
     def __init__(self, lr: float, lr_decay: float = 0.0, eta: float = 0.01, beta1: float = 0.9,
                  beta2: float = 0.99, tau: float = 1e-3) -> None:

@@ -23,19 +23,65 @@ def selected_per_round(C: float, K: int) -> int:
     return max(int(math.floor(C * K + 1e-9)), 1)
 
 
+class WeightedMean:
+    """sum_k n_k u_k / sum_k n_k, folded one update at a time as they arrive, so the
+    server holds one running sum, not a round's updates. Each n_k u_k is exact in
+    float64 (a float32 times an integer below 2**29); the sum is float64, in arrival
+    order, which virtual time fixes (due time, then client), so a rerun, on any
+    placement, sums in the same order."""
+
+    def __init__(self) -> None:
+        self._sum: np.ndarray | None = None
+        self._term: np.ndarray | None = None
+        self.total = 0  # sum_k n_k
+
+    def add(self, update: np.ndarray, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"a sample count of {n}")
+        if self._sum is None:
+            self._sum = np.zeros(update.shape, dtype=np.float64)
+            self._term = np.empty(update.shape, dtype=np.float64)
+        elif update.shape != self._sum.shape:
+            raise ValueError(f"an update of shape {update.shape} among updates of shape {self._sum.shape}")
+        np.multiply(update, np.float64(n), out=self._term)
+        self._sum += self._term
+        self.total += n
+
+    def result(self) -> np.ndarray:
+        if self._sum is None:
+            raise ValueError("no updates to average")
+        if self.total <= 0:
+            raise ValueError("sample counts sum to zero")
+        return (self._sum / self.total).astype(np.float32)
+
+
 def weighted_average(updates: Sequence[np.ndarray], counts: Sequence[int]) -> np.ndarray:
-    """sum_k (n_k / n_sigma) u_k over the updates that arrived (float64 accumulation)."""
-    if not updates:
-        raise ValueError("no updates to average")
+    """sum_k (n_k / n_sigma) u_k, in the order given (see WeightedMean)."""
     if len(updates) != len(counts):
         raise ValueError(f"{len(updates)} updates but {len(counts)} sample counts")
-    total = float(sum(counts))
-    if total <= 0:
-        raise ValueError("sample counts sum to zero")
-    acc = np.zeros(updates[0].shape, dtype=np.float64)
+    mean = WeightedMean()
     for update, n in zip(updates, counts):
-        acc += (n / total) * update
-    return acc.astype(np.float32)
+        mean.add(update, n)
+    return mean.result()
+
+
+class Replies(list):
+    """A phase's replies, in arrival order, with the weighted mean of their updates
+    (``mean()``), folded by the engine as they arrived. A rule that declares
+    ``keeps_updates = False`` gets them without their updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mean = WeightedMean()
+
+    def fold(self, reply: TrainReply, keep_update: bool) -> None:
+        self._mean.add(reply.update, reply.num_samples)
+        if not keep_update:
+            reply.update = None  # the received buffer can go
+        self.append(reply)
+
+    def mean(self) -> np.ndarray:
+        return self._mean.result()
 
 
 # run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0) sends one request
@@ -47,6 +93,9 @@ RunPhase = Callable[..., "list[TrainReply] | None"]
 class Strategy(Algorithm):
     synchronous = True
     selects_all = False  # True: every live client takes part (FSVRG), not m = C*K
+    # False: the rule needs only each phase's replies.mean(), so the engine drops each
+    # update once folded into it: with 1,000 clients a round the server holds one model.
+    keeps_updates = True
 
     def __init__(self, lr: float, lr_decay: float = 0.0) -> None:
         self.lr = lr
@@ -72,9 +121,8 @@ class Strategy(Algorithm):
 
 
 def _average(replies: Sequence[TrainReply]) -> np.ndarray:
-    # In client order, not arrival order: float sums depend on order, and arrival order
-    # depends on timing, so the same seed gives the same model wherever clients run.
-    replies = sorted(replies, key=lambda r: r.client)
+    if isinstance(replies, Replies):
+        return replies.mean()
     return weighted_average([r.update for r in replies], [r.num_samples for r in replies])
 
 
@@ -85,6 +133,7 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     label = "FedAvg"
+    keeps_updates = False
 
     def run_round(self, run_phase, weights, round_):
         replies = run_phase(TRAIN, self.round_lr(round_), lr_decay=self.lr_decay)
@@ -98,6 +147,7 @@ class FedSGD(Strategy):
 
     name = "fedsgd"
     label = "FedSGD"
+    keeps_updates = False
     uploads = "gradients (one full-batch gradient per round)"
 
     def learning_rate(self, round_: int) -> float:
@@ -119,6 +169,7 @@ class FSVRG(Strategy):
 
     name = "fsvrg"
     label = "FSVRG"
+    keeps_updates = False
     selects_all = True
     uploads = "a full gradient and then an SVRG-trained model per round"
     options = {"h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=positive, rule="> 0", default=4.0)}

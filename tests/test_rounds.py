@@ -17,7 +17,7 @@ from fedemu.node import TIMEOUT, Message, Pid
 from fedemu.server.checks import check
 from fedemu.server.engine import RoundEngine, Settings, _RoundBook
 from fedemu.server.runlog import RunLog, read_events
-from fedemu.server.strategies import FedAvg
+from fedemu.server.strategies import FedAvg, weighted_average
 from fedemu.worker.ml.datasets import get as dataset_named
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
@@ -37,6 +37,10 @@ class ScriptedProc:
 
     def send(self, pid, body):
         self.sent.append((pid, body))
+
+    def send_many(self, pids, body):
+        for pid in pids:
+            self.send(pid, body)
 
     def now(self) -> float:  # the engine's clock: wall time, as on the wall clock at time_scale 1
         return time.monotonic()
@@ -81,6 +85,28 @@ def test_over_selection_keeps_the_first_m_and_discards_the_rest(tmp_path):
     # The discarded are told, so a slow device among them does not upload for nothing.
     assert [(pid.id, type(body).__name__, body.round) for pid, body in told] == [(0, "Cancel", 1), (2, "Cancel", 1)]
     assert len(proc.script) == 1  # the fourth reply was not taken: the phase had closed
+
+
+def test_a_phase_folds_each_update_as_it_arrives_and_keeps_none_unless_the_rule_asks(tmp_path):
+    """FedAvg needs only the phase's weighted mean: the engine folds each update into it
+    on arrival and lets the buffer go. A rule that reads the updates (a plug-in's
+    median, say: keeps_updates) still gets them, and the same mean."""
+    def replies():
+        return [Message(Pid("worker", k), TrainReply(round=1, client=k, task=TRAIN, update=np.full(3, k, np.float32),
+                                                     num_samples=n, train_loss=0.0, compute_s=0.0))
+                for k, n in ((3, 100), (1, 300), (4, 600))]
+
+    expected = weighted_average([np.full(3, k, np.float32) for k in (3, 1, 4)], [100, 300, 600])
+    eng = engine(tmp_path)
+    folded, _ = run_phase(eng, ScriptedProc(*replies()), [1, 3, 4])
+    assert [r.update for r in folded] == [None, None, None]
+    assert folded.mean().tolist() == expected.tolist() == [3.0, 3.0, 3.0]  # (300 + 300 + 2400) / 1000
+
+    (tmp_path / "kept").mkdir()
+    eng = engine(tmp_path / "kept")
+    eng.strategy.keeps_updates = True
+    kept, _ = run_phase(eng, ScriptedProc(*replies()), [1, 3, 4])
+    assert [r.update[0] for r in kept] == [3, 1, 4] and kept.mean().tolist() == expected.tolist()
 
 
 def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():

@@ -1,4 +1,5 @@
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from fedemu.server import algorithm
 from fedemu.server.fedopt import FedAdam, FedYogi
 from fedemu.server.fedprox import FedProx
-from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, weighted_average
+from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, WeightedMean, weighted_average
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 
@@ -32,6 +33,23 @@ def test_weighted_average_by_sample_counts_hand_computed():
     got = weighted_average([np.array([1.0, 2.0]), np.array([5.0, -2.0])], [100, 300])
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, [4.0, -1.0], rtol=0, atol=1e-7)
+
+
+def test_the_mean_folded_one_update_at_a_time_is_the_exact_mean_rounded_once():
+    """The server folds updates as they arrive and keeps none: the result is the exact
+    rational mean sum n_k u_k / sum n_k, rounded to float32 (checked with Fractions)."""
+    rng = np.random.default_rng(5)
+    updates = [rng.standard_normal(200).astype(np.float32) * 10.0 ** rng.integers(-4, 2) for _ in range(7)]
+    counts = [1, 600, 3, 17, 600, 250, 9]
+    mean = WeightedMean()
+    for update, n in zip(updates, counts):
+        mean.add(update, n)
+    got = mean.result()
+    assert got.dtype == np.float32 and mean.total == sum(counts)
+    exact = [sum(Fraction(float(u[i])) * n for u, n in zip(updates, counts)) / sum(counts) for i in range(200)]
+    assert got.tolist() == np.array([float(x) for x in exact], dtype=np.float32).tolist()
+    with pytest.raises(ValueError, match="shape"):
+        mean.add(np.zeros(3, np.float32), 1)
 
 
 def test_weighted_average_rejects_nothing_to_average():
