@@ -76,7 +76,7 @@ class VirtualTimeCalls:
         if arrival is not None:
             self.scheduler.hold(arrival, src, sequence, dst_pid, target.name, frames, link, direction)
 
-    def _transmit_virtual_many(self, src: Pid, sequence: int, header: wire.Header, frames: list, size: int,
+    def _transmit_virtual_many(self, src: Pid, sequence: int, header: wire.Header, frames: list,
                                ids: list[int]) -> None:
         """A message to many sent at the current instant: each receiver's copy through
         its link's model to its own due time. The node gets the body now, once (a
@@ -88,7 +88,7 @@ class VirtualTimeCalls:
             return
         now = self.scheduler.now
         arrivals = []
-        for i in ids:
+        for i, size in zip(ids, wire.single_sizes(header, frames, ids)):
             crossing = self._account(src, Pid(target.name, i), size) if self._link_of else self._other(size)
             if crossing is None or not self._emulating:
                 arrivals.append((now, i, -1, -1))

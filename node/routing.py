@@ -88,7 +88,7 @@ class Routing:
         if self.scheduler is not None:
             self.scheduler.heard(info.name)
         if header.kind == MANY:
-            self._route_many(header, frames, size)
+            self._route_many(header, frames)
             return
         # A user message whose timing field is not a send time: route it, unstamped.
         self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
@@ -108,7 +108,7 @@ class Routing:
             return
         self._send(target.identity, frames, target.name)
 
-    def _route_many(self, header: wire.Header, frames: list, size: int) -> None:
+    def _route_many(self, header: wire.Header, frames: list) -> None:
         """A message to many processes of one node: each receiver's link is charged and
         emulated as for a message of its own, and the node gets the body once, with
         each receiver's hold (in virtual time: a stash, and a release per receiver)."""
@@ -118,12 +118,12 @@ class Routing:
             self._drop("unknown-destination", f"node {header.dst_node!r} is not connected")
             return
         if self.scheduler is not None:
-            self.scheduler.accept(header.src, "many", (header, frames, size, ids))
+            self.scheduler.accept(header.src, "many", (header, frames, ids))
             return
         now = time.monotonic()
         sent = header.timing if type(header.timing) is float else None
         to = []
-        for i in ids:
+        for i, size in zip(ids, wire.single_sizes(header, frames, ids)):
             crossing = self._account(header.src, Pid(header.dst_node, i), size) if self._link_of else self._other(size)
             if crossing is None or not self._emulating:
                 to.append([i, 0.0, -1, -1])

@@ -361,6 +361,14 @@ def many_frames(src: Pid, dst_node: str, count: int, recipients: Any, body_frame
     return [pack_header(MANY, src, Pid(dst_node, count)), _packb(recipients), *body_frames]
 
 
+def single_sizes(header: Header, frames: list, ids: list[int]) -> list[int]:
+    """What a message to many would have weighed sent to each receiver alone (its own
+    header, the same body): what each receiver's link is charged, so the bytes and
+    transfer times of a link do not depend on which receivers share a node."""
+    body = message_size(frames[2:])
+    return [body + len(pack_header(USER, header.src, Pid(header.dst_node, i), header.timing)) for i in ids]
+
+
 def unpack_recipients(frame: Any) -> Any:
     data = _small(frame)
     if len(data) > 16 * MAX_RECIPIENTS:
