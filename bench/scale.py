@@ -1,22 +1,25 @@
-"""Scale: one machine carries many emulated clients, with only the selected ones busy.
+"""Cross-device scale: populations of up to 100,000 clients, up to 1,000 of them per round.
 
-    python bench/scale.py [--clients 100 1000 10000] [--rounds 6] [--json out.json]
+    python bench/scale.py [--populations 1000 10000 100000] [--per-round 10 100 1000]
+                          [--examples 1] [--rounds 4] [--json out.json]
 
-For each client count K: ``fedemu launch`` of the default job (MNIST 2NN, FedAvg, IID,
-one worker node per core) with C = 10 / K, so 10 clients train per round whatever K,
-and every client under an on/off drop-out (mean 60 s up, 20 s down), so the broker
-keeps telling the worker nodes of devices going offline and coming back. The server
-over-selects 10 more and closes a round at the first 10 updates, so an offline client
-does not hold it to its deadline. Real broker, server and worker-node processes, as in
-any run.
+For each population P and clients per round m (m <= P): ``fedemu launch`` of the default
+job (MNIST 2NN, FedAvg, E=1, B=10, virtual time, one worker node per core) with
+``data.clients = P``, ``algorithm.C = m / P`` and ``data.partition = "sample"``: every
+client draws ``--examples`` training examples of its own (MNIST has 60,000, so 100,000
+clients must share some). Real broker, server and worker-node processes, as in any run.
 
-Printed per K: wall seconds from the launch to the server's start event (loading the
-data, starting every process, spawning and registering K clients), the median round
-time over rounds 2..R, the mean number of clients offline at a round's end (the
-drop-out at work), and the peak resident memory of each kind of process (broker,
-server, each worker node), sampled every 0.1 s from /proc. Memory that grows with K
-is the clients' own state. A client's IID shard is 60,000 / K samples, so rounds get
-shorter as K grows: compare round times within a K, not across.
+Printed per point:
+* start: wall seconds from the launch to the run's start event (loading the data,
+  starting every process, spawning and registering P clients);
+* round: the median wall seconds of rounds 2..R, split into training (the CPU seconds the
+  busiest worker node's pool threads, where clients train, spent per round) and the rest
+  (the round's time minus that: the broker, the server, messaging, evaluation);
+* messages/s: messages the link model delivered (each client's download and upload)
+  per second of round, and how many the broker actually relayed (a round's model goes
+  to each worker node once, however many of its clients were selected);
+* peak PSS: proportional set size summed over every process of the run (the tree),
+  sampled every 0.2 s from /proc, and the peak of each kind of process.
 """
 from __future__ import annotations
 
@@ -51,83 +54,155 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def role_and_rss(pid: int) -> tuple[str, int] | None:
-    """("broker" | "server" | "worker-N", resident kB) of a fedemu process, else None."""
+def role(pid: int) -> str | None:
+    """"broker", "server" or "worker-N" for a fedemu process, else None."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     if "broker" in args:
-        role = "broker"
-    elif "server" in args:
-        role = "server"
-    elif "worker" in args and "--index" in args:
-        role = f"worker-{args[args.index('--index') + 1]}"
-    else:
-        return None
-    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return role, rss
+        return "broker"
+    if "server" in args:
+        return "server"
+    if "worker" in args and "--index" in args:
+        return f"worker-{args[args.index('--index') + 1]}"
+    return None
 
 
-def run(clients: int, rounds: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "fedemu.launch", "launch",
-               "--set", f"data.clients={clients}", "--set", f"algorithm.C={10 / clients}",
-               "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0",
-               "--set", "network.dropout.on_off.mean_up_s=60", "--set", "network.dropout.on_off.mean_down_s=20",
-               "--set", "algorithm.over_select=10", "--set", "algorithm.deadline_s=30", "--set", f"run.out={out}"]
+def pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def pool_cpu_s(pid: int) -> float:
+    """CPU seconds of a worker node's pool threads (named ``<node>-pool``): where its
+    clients' handlers, their local training above all, run."""
+    total = 0
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            if "-pool" not in Path(f"/proc/{pid}/task/{tid}/comm").read_text():
+                continue
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / tick
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def run(population: int, per_round: int, examples: int, rounds: int, out: Path) -> dict:
+    command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out),
+               "--set", f"data.clients={population}", "--set", f"algorithm.C={per_round / population!r}",
+               "--set", "data.partition=sample", "--set", f"data.examples_per_client={examples}",
+               "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0"]
     started = time.monotonic()
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak: dict[str, int] = {}
+    peak_tree, peak_role = 0, {}
+    workers: dict[int, str] = {}
+    pool_after_round_1: dict[str, float] | None = None
+    pool_last: dict[str, float] = {}
     to_start = None
     while launcher.poll() is None:
-        if to_start is None and any(log.stat().st_size > 0 for log in out.glob("*/events.jsonl")):
+        if to_start is None and events(out):
             to_start = time.monotonic() - started  # the start event is the log's first line
+        tree = 0
         for pid in descendants(launcher.pid):
-            found = role_and_rss(pid)
-            if found is not None:
-                peak[found[0]] = max(peak.get(found[0], 0), found[1])
-        time.sleep(0.1)
+            kind = role(pid)
+            if kind is None:
+                continue
+            kb = pss_kb(pid)
+            tree += kb
+            peak_role[kind] = max(peak_role.get(kind, 0), kb)
+            if kind.startswith("worker"):
+                workers[pid] = kind
+        peak_tree = max(peak_tree, tree)
+        for pid, kind in workers.items():
+            cpu = pool_cpu_s(pid)
+            if cpu:
+                pool_last[kind] = cpu
+        if pool_after_round_1 is None and any(e["event"] == "round" for e in events(out)):
+            pool_after_round_1 = dict(pool_last)
+        time.sleep(0.2)
     output = launcher.stdout.read()
     if launcher.returncode != 0:
-        raise RuntimeError(f"the run with {clients} clients failed:\n{output[-3000:]}")
-    wall = time.monotonic() - started
-    run_dir = next(out.iterdir())
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").open() if line.endswith("\n")]
-    round_events = [e for e in events if e["event"] == "round"]
+        raise RuntimeError(f"the run with {population} clients, {per_round} per round failed:\n{output[-3000:]}")
+    log = events(out)
+    timed = [e for e in log if e["event"] == "round"][1:]
+    median_round = statistics.median(e["round_s"] for e in timed)
+    before = pool_after_round_1 or {}
+    training = max((pool_last[k] - before.get(k, 0.0)) / len(timed) for k in pool_last) if pool_last else 0.0
+    delivered = sum(e["msgs_up"] + e["msgs_down"] for e in timed)
+    stats = broker_stats(out)
+    relayed_share = ((stats["msgs_up"] + stats["fanout_msgs"] + stats["msgs_down"] - stats["fanout_receivers"])
+                     / max(stats["msgs_up"] + stats["msgs_down"], 1))
+    round_wall = sum(e["round_s"] for e in timed)
     return {
-        "clients": clients, "rounds": len(round_events), "wall_s": round(wall, 2),
-        "start_s": round(to_start, 2) if to_start is not None else None,
-        "median_round_s": round(statistics.median(e["round_s"] for e in round_events[1:]), 3),
-        "mean_offline": round(statistics.mean(len(e["offline"]) for e in round_events), 1),
-        "peak_rss_mb": {role: round(kb / 1024) for role, kb in sorted(peak.items())},
+        "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
+        "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
+        "training_s": round(training, 3), "rest_s": round(median_round - training, 3),
+        "delivered_per_s": round(delivered / round_wall), "relayed_per_s": round(delivered * relayed_share / round_wall),
+        "peak_tree_pss_mb": round(peak_tree / 1024), "peak_pss_mb": {k: round(v / 1024) for k, v in sorted(peak_role.items())},
+        "wall_s": round(time.monotonic() - started, 1),
     }
+
+
+def broker_stats(run_dir: Path) -> dict:
+    """The broker's final counters, from the line it logs as it stops."""
+    for line in (run_dir / "logs" / "broker.log").read_text().splitlines():
+        if "broker stopped;" in line:
+            import ast
+
+            return ast.literal_eval(line.split("broker stopped; ", 1)[1])
+    raise RuntimeError(f"no final counters in {run_dir / 'logs' / 'broker.log'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000])
-    parser.add_argument("--rounds", type=int, default=6, help="rounds per run (>= 2; round 1 is not timed)")
+    parser.add_argument("--populations", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--per-round", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--examples", type=int, default=1, help="training examples per client")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2; round 1 is not timed)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
-    if args.rounds < 2 or min(args.clients) < 10:
-        parser.error("need --rounds >= 2 and at least 10 clients (10 train per round)")
+    if args.rounds < 2:
+        parser.error("need --rounds >= 2")
     results = []
     with tempfile.TemporaryDirectory(prefix="fedemu-scale-") as tmp:
-        for clients in args.clients:
-            print(f"  {clients} clients ...", file=sys.stderr, flush=True)
-            results.append(run(clients, args.rounds, Path(tmp) / str(clients)))
-    roles = sorted({role for r in results for role in r["peak_rss_mb"]})
-    print(f"scale: default job, 10 clients per round, on/off drop-out on every client; {os.cpu_count()} cores; "
-          f"1-min load average at end {os.getloadavg()[0]:.2f}")
-    print("| clients | to start (s) | median round (s) | offline at round end | "
-          + " | ".join(f"{role} peak RSS (MB)" for role in roles) + " |")
-    print("|" + " ---: |" * (4 + len(roles)))
+        for population in args.populations:
+            for per_round in args.per_round:
+                if per_round > population:
+                    continue
+                print(f"  {population} clients, {per_round} per round ...", file=sys.stderr, flush=True)
+                results.append(run(population, per_round, args.examples, args.rounds,
+                                   Path(tmp) / f"{population}-{per_round}"))
+                if args.json:  # as it goes: a long grid keeps what it measured
+                    args.json.write_text(json.dumps(results, indent=2))
+    roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
+    print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
+          f"'sample'); {os.cpu_count()} cores; 1-min load average at end {os.getloadavg()[0]:.2f}")
+    print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | delivered msg/s | relayed msg/s "
+          "| tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles) + " |")
+    print("|" + " ---: |" * (9 + len(roles)))
     for r in results:
-        print(f"| {r['clients']} | {r['start_s']} | {r['median_round_s']} | {r['mean_offline']} | "
-              + " | ".join(str(r["peak_rss_mb"].get(role, "")) for role in roles) + " |")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        print(f"| {r['population']} | {r['per_round']} | {r['start_s']} | {r['median_round_s']} | {r['training_s']} "
+              f"| {r['rest_s']} | {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
+              + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles) + " |")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        "shows them), an installed plug-in's name, or 'package.module:Class' (a fedemu Dataset)"),
         "partition": Key(str, "how the training set is split over clients: 'iid', 'shards' (McMahan's pathological "
                          "non-IID), 'dirichlet' (label skew, Hsu et al. 2019), 'lognormal' (quantity skew) or "
-                         "'natural' (the data set's own clients)",
-                         choices=("iid", "shards", "dirichlet", "lognormal", "natural")),
+                         "'natural' (the data set's own clients) or 'sample' (each client draws "
+                         "data.examples_per_client examples: populations larger than the data set)",
+                         choices=("iid", "shards", "dirichlet", "lognormal", "natural", "sample")),
+        "examples_per_client": Key(int, "partition = 'sample': examples each client draws (without replacement; "
+                                   "clients may share examples)", check=positive, rule="> 0"),
         "dirichlet_alpha": Key(float, "partition = 'dirichlet': the concentration alpha (small: few classes per "
                                "client; large: close to IID)", check=lambda a: a > 0, rule="> 0"),
         "lognormal_sigma": Key(float, "partition = 'lognormal': the spread sigma of log client sizes",
@@ -297,6 +300,16 @@ def _check_dataset(data: dict) -> None:
     if data["partition"] == "natural" and not dataset.natural_clients:
         raise ConfigError(f"data.partition = 'natural': {data['dataset']} has no natural clients; use 'iid', "
                           "'shards', 'dirichlet' or 'lognormal'")
+    examples = (dataset.sizes or {}).get("train")
+    if examples is None or data["folds"]:
+        return
+    if data["partition"] in ("iid", "dirichlet", "lognormal", "shards") and data["clients"] > examples:
+        raise ConfigError(f"data.clients = {data['clients']} with data.partition = {data['partition']!r}: "
+                          f"{data['dataset']} has {examples} training examples, fewer than one per client; "
+                          "data.partition = 'sample' lets clients share examples (data.examples_per_client each)")
+    if data["partition"] == "sample" and data["examples_per_client"] > examples:
+        raise ConfigError(f"data.examples_per_client = {data['examples_per_client']}: {data['dataset']} has "
+                          f"{examples} training examples")
 
 
 def data_spec(config: dict):
@@ -306,7 +319,8 @@ def data_spec(config: dict):
     d = config["data"]
     return DataSpec(dataset=d["dataset"], partition=d["partition"], clients=d["clients"], seed=config["run"]["seed"],
                     shards_per_client=d["shards_per_client"], shard_order=d["shard_order"],
-                    dirichlet_alpha=d["dirichlet_alpha"], lognormal_sigma=d["lognormal_sigma"], folds=d["folds"],
+                    dirichlet_alpha=d["dirichlet_alpha"], lognormal_sigma=d["lognormal_sigma"],
+                    examples_per_client=d["examples_per_client"], folds=d["folds"],
                     fold=d["fold"], cache_dir=d["cache_dir"] or None)
 
 
@@ -345,6 +359,8 @@ def ineffective_keys(config: dict) -> set[str]:
         keys.add("data.dirichlet_alpha")
     if partition != "lognormal":
         keys.add("data.lognormal_sigma")
+    if partition != "sample":
+        keys.add("data.examples_per_client")
     return keys
 
 

@@ -541,6 +541,34 @@ def test_natural_clients_are_the_data_sets_own():
 # --- a run's split, as the nodes make it and `fedemu data stats` shows it -------------------
 
 
+def test_sample_gives_each_of_more_clients_than_examples_its_own_seeded_draw():
+    """100,000 clients over 60,000 examples: each draws its own examples (sorted,
+    distinct, in range) from its own stream, the same on every node and every access;
+    clients overlap, as they must."""
+    shares = partition.make("sample", np.zeros(60_000), 100_000, seed=7, size=5)
+    assert len(shares) == 100_000
+    last = shares[99_999]
+    assert last.dtype == np.int64 and len(set(last.tolist())) == 5 and np.all(np.diff(last) > 0)
+    assert 0 <= last.min() and last.max() < 60_000
+    again = partition.make("sample", np.zeros(60_000), 100_000, seed=7, size=5)
+    assert all(np.array_equal(shares[k], again[k]) for k in (0, 1, 50_000, 99_999))
+    assert not np.array_equal(shares[0], partition.make("sample", np.zeros(60_000), 100_000, seed=8, size=5)[0])
+    drawn = np.concatenate([shares[k] for k in range(20_000)])
+    assert len(np.unique(drawn)) < len(drawn)  # 100,000 draws of 60,000 examples overlap
+    with pytest.raises(ValueError, match="examples_per_client = 0"):
+        partition.make("sample", np.zeros(10), 3, seed=1, size=0)
+
+
+def test_more_clients_than_examples_is_refused_before_anything_starts():
+    from fedemu.launch.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match="60000 training examples, fewer than one per client; data.partition = 'sample'"):
+        load(None, ["data.clients=100000"])
+    with pytest.raises(ConfigError, match="data.examples_per_client = 70000: mnist has 60000"):
+        load(None, ["data.partition=sample", "data.examples_per_client=70000"])
+    assert load(None, ["data.clients=100000", "data.partition=sample"])["data"]["examples_per_client"] == 1
+
+
 def test_data_stats_shows_the_split_the_nodes_make(tmp_path):
     import json
     import subprocess

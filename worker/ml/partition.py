@@ -1,21 +1,23 @@
 """Splitting a training set among clients: McMahan et al. (2017)'s IID and pathological
-non-IID shards, Hsu et al. (2019)'s Dirichlet label skew, log-normal quantity skew, and a
-data set's natural clients.
+non-IID shards, Hsu et al. (2019)'s Dirichlet label skew, log-normal quantity skew, a
+data set's natural clients, and samples for populations larger than the data set.
 
 Every function returns one int64 index array per client, sorted ascending
-(so a client's reads from a memory-mapped data set go forward through it), and
-every example goes to exactly one client. McMahan's shards must divide
+(so a client's reads from a memory-mapped data set go forward through it), and, but
+for ``sample``, every example goes to exactly one client. McMahan's shards must divide
 evenly (ValueError, rather than silently dropping samples); an IID split that
 does not divide gives some clients one sample more.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from fedemu.node import streams
 
-PARTITION_KINDS = ("iid", "shards", "dirichlet", "lognormal", "natural")
+PARTITION_KINDS = ("iid", "shards", "dirichlet", "lognormal", "natural", "sample")
 
 
 def iid(n_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -99,6 +101,9 @@ def make(
     if kind == "lognormal":
         _only(kind, opts, {"sigma"})
         return lognormal(len(labels), num_clients, opts.get("sigma", 1.0), seed)
+    if kind == "sample":
+        _only(kind, opts, {"size"})
+        return Samples(len(labels), num_clients, opts.get("size", 1), seed)
     if kind == "natural":
         _only(kind, opts, {"owners"})
         if opts.get("owners") is None:
@@ -185,3 +190,30 @@ def natural(owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
     order = np.argsort(owners, kind="stable").astype(np.int64)
     parts = np.split(order, np.cumsum(np.bincount(owners, minlength=num_clients))[:-1])
     return [np.sort(part) for part in parts]
+
+
+class Samples(Sequence):
+    """Cross-device populations beyond the data set (100,000 phones over MNIST's 60,000
+    examples): client k holds ``size`` examples drawn uniformly without replacement
+    from its own stream, so clients may share examples. Lazy: a client's indices are
+    drawn when asked for, so a node holds only its own clients', whatever the population."""
+
+    def __init__(self, n_samples: int, num_clients: int, size: int, seed: int) -> None:
+        if num_clients <= 0:
+            raise ValueError(f"num_clients must be positive, got {num_clients}")
+        if not 0 < size <= n_samples:
+            raise ValueError(f"data.examples_per_client = {size}: a sample of the {n_samples} training examples "
+                             f"needs 1..{n_samples}")
+        self.n_samples, self.num_clients, self.size, self.seed = n_samples, num_clients, size, seed
+
+    def __len__(self) -> int:
+        return self.num_clients
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self.num_clients))]
+        if not -self.num_clients <= k < self.num_clients:
+            raise IndexError(f"client {k} of {self.num_clients}")
+        k %= self.num_clients
+        rng = streams.generator(self.seed, "partition.sample", k)
+        return np.sort(rng.choice(self.n_samples, self.size, replace=False)).astype(np.int64)

@@ -27,6 +27,7 @@ class DataSpec:
     shard_order: str = "stable"
     dirichlet_alpha: float = 0.5
     lognormal_sigma: float = 1.0
+    examples_per_client: int = 1
     folds: int = 0
     fold: int = 0
     cache_dir: str | os.PathLike | None = None
@@ -67,6 +68,8 @@ def _options(spec: DataSpec, data_set: data.Data) -> dict:
         return {"sigma": spec.lognormal_sigma}
     if spec.partition == "natural":
         return {"owners": data_set.train_client}
+    if spec.partition == "sample":
+        return {"size": spec.examples_per_client}
     return {}
 
 
