@@ -89,7 +89,7 @@ import zmq
 from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Behaviour, Broker, Node
 from fedemu.node.links import NetworkSpec
-from fedemu.node.wire import USER, encode, message_size
+from fedemu.node.wire import USER, encode, link_size
 
 RX_NAME = "bench/rx"
 NUM_LINKS = 100
@@ -461,7 +461,7 @@ class Setting(Helpers):
         # Exactly the bytes the broker counted: the sender's frames, re-encoded (after
         # the whole step arrived, so it never delays a receive).
         return [Arrival(msg.body["seq"], msg.body["link"], msg.body["t_send"], t_recv,
-                        message_size(encode(USER, msg.sender, RX_NAME, msg.body))) for t_recv, msg in got]
+                        link_size(encode(USER, msg.sender, RX_NAME, msg.body))) for t_recv, msg in got]
 
     def close(self) -> None:
         self._receiving = False

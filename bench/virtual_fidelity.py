@@ -107,7 +107,7 @@ def one_point(workdir: Path, latency_ms: float, bandwidth, size: int, concurrenc
     expected = {}
     for instant, pid, link, seq in sorted(sent, key=lambda s: (s[0], s[1], s[3])):
         frames = wire.encode(USER, pid, rx_pid, {"link": link, "seq": seq, "data": data})
-        verdict = model.transmit(link, 0, wire.message_size(frames), instant) if not model.ideal else None
+        verdict = model.transmit(link, 0, wire.link_size(frames), instant) if not model.ideal else None
         expected[(link, seq)] = verdict.arrival if verdict is not None else instant
     errors = [t - expected[(link, seq)] for t, link, seq in arrivals]
     return {"messages": len(arrivals), "exact": sum(1 for e in errors if e == 0.0),

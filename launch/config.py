@@ -28,6 +28,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "rounds": Key(int, "round limit", check=positive, rule="> 0"),
         "target_accuracy": Key(float, "stop once test accuracy reaches this (0: never)", check=unit_interval, rule="in [0, 1]"),
         "eval_every": Key(int, "evaluate the global model every this many rounds", check=positive, rule="> 0"),
+        "client_log": Key(str, "per-client detail of each round: 'events' lists the clients in the round event; "
+                          "'csv' counts them there and writes a row per client to clients.csv; 'auto' lists "
+                          "rounds of up to 100 selected clients and writes larger ones to clients.csv",
+                          choices=("auto", "events", "csv")),
         "out": Key(str, "folder under which run directories are made"),
         "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=non_negative, rule=">= 0"),
         "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=non_negative, rule=">= 0"),

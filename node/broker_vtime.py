@@ -88,7 +88,8 @@ class VirtualTimeCalls:
             return
         now = self.scheduler.now
         arrivals = []
-        for i, size in zip(ids, wire.single_sizes(header, frames, ids)):
+        size = wire.link_size(frames, wire.MANY)
+        for i in ids:
             crossing = self._account(src, Pid(target.name, i), size) if self._link_of else self._other(size)
             if crossing is None or not self._emulating:
                 arrivals.append((now, i, -1, -1))

@@ -34,6 +34,7 @@ class Routing:
             if size <= self.max_message_bytes:
                 fields = wire.user_fields(frames[0].bytes, info.name)
                 if fields is not None:
+                    size -= len(frames[0])  # what a link carries: see wire.link_size
                     src_node, src_id, dst_node, dst = fields[2:6]
                     info.last_seen = self._now
                     if self.scheduler is not None:
@@ -61,7 +62,7 @@ class Routing:
     def _on_other(self, identity: bytes, info: NodeInfo | None, frames: list) -> None:
         """Everything but the fast path: control traffic, emulated links, and faults."""
         try:
-            size = wire.check_envelope(frames, self.max_message_bytes)
+            wire.check_envelope(frames, self.max_message_bytes)
         except wire.OversizeError as exc:
             self._drop("oversize", f"from {identity!r}: {exc}")
             return
@@ -92,7 +93,7 @@ class Routing:
             return
         # A user message whose timing field is not a send time: route it, unstamped.
         self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
-                         frames, size, header.src)
+                         frames, wire.link_size(frames), header.src)
 
     def _route_user(self, fields: list, frames: list, size: int, src: Pid) -> None:
         if self.scheduler is not None:  # takes effect at quiescence, in its place
@@ -123,7 +124,8 @@ class Routing:
         now = time.monotonic()
         sent = header.timing if type(header.timing) is float else None
         to = []
-        for i, size in zip(ids, wire.single_sizes(header, frames, ids)):
+        size = wire.link_size(frames, MANY)
+        for i in ids:
             crossing = self._account(header.src, Pid(header.dst_node, i), size) if self._link_of else self._other(size)
             if crossing is None or not self._emulating:
                 to.append([i, 0.0, -1, -1])

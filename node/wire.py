@@ -361,12 +361,13 @@ def many_frames(src: Pid, dst_node: str, count: int, recipients: Any, body_frame
     return [pack_header(MANY, src, Pid(dst_node, count)), _packb(recipients), *body_frames]
 
 
-def single_sizes(header: Header, frames: list, ids: list[int]) -> list[int]:
-    """What a message to many would have weighed sent to each receiver alone (its own
-    header, the same body): what each receiver's link is charged, so the bytes and
-    transfer times of a link do not depend on which receivers share a node."""
-    body = message_size(frames[2:])
-    return [body + len(pack_header(USER, header.src, Pid(header.dst_node, i), header.timing)) for i in ids]
+def link_size(frames: list, kind: int = USER) -> int:
+    """What a message weighs on an emulated link: its body and array frames (for a
+    message to many, what each receiver gets). The header is fedemu's own routing (node
+    names, process ids, whose encoded length varies with placement), so leaving it out
+    keeps a link's bytes and times the same on any placement; a link profile's
+    ``overhead_bytes`` stands for the headers of a real network."""
+    return message_size(frames[2:] if kind == MANY else frames[1:])
 
 
 def unpack_recipients(frame: Any) -> Any:

@@ -76,6 +76,7 @@ class Settings:
     on_quorum_missed: str = "skip"  # or "extend_once"
     retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
     merge_s: float = 0.0  # asynchronous rules: emulated seconds the server takes per fetch or upload (a queue)
+    client_log: str = "auto"  # per-client detail: "events", "csv", or "auto" (see CLIENT_LOGS)
 
     @property
     def per_round(self) -> int:
@@ -359,13 +360,9 @@ class RoundEngine(Engine):
             self.runlog.event(
                 "round", round=round_, accuracy=accuracy, loss=loss,
                 participants=len(final), aggregated=new_weights is not None, uploads=book.uploads,
-                **traffic,
-                selected=selected, answered=sorted(r.client for r in final),
-                stragglers=sorted(book.stragglers), dropped=sorted(book.dropped),
-                discarded=sorted(book.discarded), quorum_missed=book.quorum_missed,
+                **traffic, **self._per_client(round_, book), quorum_missed=book.quorum_missed,
                 train_loss=(sum(r.train_loss * r.num_samples for r in final) / n) if n else None,
                 compute_s_max=max((r.compute_s for r in final), default=None),
-                slowdowns={r.client: round(r.slowdown, 3) for r in final if r.slowdown != 1.0},
                 offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
                 round_s=round(time.monotonic() - started, 4),  # wall
             )
@@ -374,6 +371,30 @@ class RoundEngine(Engine):
             if reason:
                 return "completed", reason
         return "completed", f"ran {s.rounds} rounds"
+
+    def _per_client(self, round_: int, book: _RoundBook) -> dict:
+        """A round event's per-client fields: which selected clients answered,
+        straggled, were lost or discarded, and who was slowed. Listed in the event for
+        rounds of up to CLIENTS_IN_EVENTS clients (``client_log = "auto"``); beyond, or
+        with "csv", the event counts them and clients.csv gets a row per client."""
+        final = {r.client: r for r in book.final_replies}
+        outcome = {**{k: "discarded" for k in book.discarded}, **{k: "straggler" for k in book.stragglers},
+                   **{k: "dropped" for k in book.dropped}, **{k: "answered" for k in final}}
+        mode = self.settings.client_log
+        if mode == "events" or (mode == "auto" and len(book.selected) <= CLIENTS_IN_EVENTS):
+            return dict(selected=book.selected, answered=sorted(final), stragglers=sorted(book.stragglers),
+                        dropped=sorted(book.dropped), discarded=sorted(book.discarded),
+                        slowdowns={k: round(r.slowdown, 3) for k, r in sorted(final.items()) if r.slowdown != 1.0})
+        rows = []
+        for k in book.selected:
+            r = final.get(k)
+            rows.append((round_, k, outcome.get(k, "unanswered"), *((r.num_samples, r.train_loss, r.compute_s,
+                                                                       round(r.slowdown, 3)) if r else (None,) * 4)))
+        self.runlog.clients(rows)
+        counts = {"selected": len(book.selected), "answered": len(final), "stragglers": len(book.stragglers),
+                  "dropped": len(book.dropped), "discarded": len(book.discarded),
+                  "slowed": sum(r.slowdown != 1.0 for r in final.values())}
+        return {"clients": counts}
 
     def _hint_if_the_deadline_cut_everyone(self, round_: int, book: _RoundBook) -> str | None:
         """Once a run: a round in which no selected client answered before the deadline,
@@ -483,6 +504,9 @@ class _RoundBook:
 
 
 QUORUM_POLICIES = ("skip", "extend_once")
+CLIENT_LOGS = ("auto", "events", "csv")
+# client_log = "auto": rounds of up to this many selected clients list them in the event.
+CLIENTS_IN_EVENTS = 100
 
 
 def _ids(ids: list[int]) -> str:

@@ -1,7 +1,9 @@
 """The run directory's event log and summary: a stable contract read by other tools.
 
 ``events.jsonl`` is append-only and flushed (and fsynced) per line, so a run killed
-half-way keeps every line it wrote. ``summary.json`` is replaced atomically.
+half-way keeps every line it wrote; so is ``clients.csv`` (one row per selected client
+per round), which a run writes when its rounds are too large to list their clients in
+each round event (``run.client_log``). ``summary.json`` is replaced atomically.
 
 A write that fails (a full disk, EIO, a read-only remount) raises :class:`RunLogError`
 naming the file and the error, after cutting the log back to its last whole line: every
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 EVENTS = "events.jsonl"
+CLIENTS = "clients.csv"
+CLIENT_COLUMNS = ("round", "client", "outcome", "num_samples", "train_loss", "compute_s", "slowdown")
 SUMMARY = "summary.json"
 RESERVE = "summary.reserve"
 RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
@@ -57,10 +61,10 @@ class RunLog:
         self.failed: RunLogError | None = None  # the write error that closed the log
         try:
             self._reserve()
-            self._events = open(self.path, "ab")
-            self._length = self._events.seek(0, os.SEEK_END)  # bytes of whole lines so far
         except OSError as exc:
             raise write_error(self.path, exc) from None
+        self._events = _Lines(self.path)
+        self._clients: _Lines | None = None  # opened with the first rows
 
     def _reserve(self) -> None:
         reserve = self.run_dir / RESERVE
@@ -79,30 +83,26 @@ class RunLog:
         record = {"event": name, "t": round(self.elapsed(), 4), **fields}
         if self.failed is not None:
             raise self.failed
-        line = (json.dumps(record, default=_jsonable) + "\n").encode()
-        f = self._events
         try:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
-        except OSError as exc:
-            self.failed = write_error(self.path, exc)
-            self._cut_back(self._length)
-            raise self.failed from None
-        self._length += len(line)
+            self._events.append((json.dumps(record, default=_jsonable) + "\n").encode())
+        except RunLogError as exc:
+            self.failed = exc
+            raise
         return record
 
-    def _cut_back(self, length: int) -> None:
-        """After a failed write: drop the torn line (buffered or partly on disk), so the
-        file ends with a whole line; nothing more is written to it."""
+    def clients(self, rows: list[tuple]) -> None:
+        """Append rows (CLIENT_COLUMNS) to clients.csv, as one write; RunLogError as for
+        an event (the log is then closed)."""
+        if self.failed is not None:
+            raise self.failed
         try:
-            self._events.close()
-        except OSError:
-            pass  # the unwritten buffer is what we are dropping
-        try:
-            os.truncate(self.path, length)
-        except OSError:
-            pass  # read-only now: a torn last line stays; read_events skips it
+            if self._clients is None:
+                self._clients = _Lines(self.run_dir / CLIENTS, header=",".join(CLIENT_COLUMNS) + "\n")
+            self._clients.append("".join(",".join("" if v is None else str(v) for v in row) + "\n"
+                                         for row in rows).encode())
+        except RunLogError as exc:
+            self.failed = exc
+            raise
 
     def summary(self, **fields: Any) -> dict:
         """Write summary.json (atomically), using the space reserved for it."""
@@ -112,8 +112,47 @@ class RunLog:
         return record
 
     def close(self) -> None:
+        self._events.close()
+        if self._clients is not None:
+            self._clients.close()
+
+
+class _Lines:
+    """An append-only file of whole lines, each write flushed and fsynced. A write that
+    fails cuts the file back to its last whole line and closes it (RunLogError)."""
+
+    def __init__(self, path: Path, header: str = "") -> None:
+        self.path = path
         try:
-            self._events.close()
+            self._f = open(path, "ab")
+            self._length = self._f.seek(0, os.SEEK_END)  # bytes of whole lines so far
+        except OSError as exc:
+            raise write_error(path, exc) from None
+        if header and not self._length:
+            self.append(header.encode())
+
+    def append(self, data: bytes) -> None:
+        try:
+            self._f.write(data)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as exc:
+            self._cut_back()
+            raise write_error(self.path, exc) from None
+        self._length += len(data)
+
+    def _cut_back(self) -> None:
+        """Drop the torn write (buffered or partly on disk), so the file ends with a
+        whole line; nothing more is written to it."""
+        self.close()  # the unwritten buffer is what we are dropping
+        try:
+            os.truncate(self.path, self._length)
+        except OSError:
+            pass  # read-only now: a torn last line stays; readers skip it
+
+    def close(self) -> None:
+        try:
+            self._f.close()
         except OSError:
             pass
 

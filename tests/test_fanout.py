@@ -71,8 +71,8 @@ JITTERY = {"default_profile": "p", "profiles": {"p": {"latency_ms": 30, "jitter_
 def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses_once_per_node(procs, nodes):
     """Virtual time: six clients on two nodes, one send_many of a 200 KB body. Each
     arrival equals the link model's, computed apart from the same seed, to the last bit;
-    each link is charged the message its client alone would have got (so a link's books
-    do not depend on who shares its node); the broker relayed one message per node."""
+    each link is charged the body its client alone would have got (so a link's books do
+    not depend on who shares its node); the broker relayed one message per node."""
     broker = broker_with(procs, JITTERY, "virtual")
     server_node, node_a, node_b = nodes(broker, "srv", "na", "nb")
     got: dict = {}
@@ -88,8 +88,9 @@ def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses
 
     model = NetworkSpec.from_config(JITTERY, num_clients=6, run_seed=3).build()
     src = Pid("srv", 1)
-    # Each link is charged what the message would have weighed sent to its client alone.
-    sizes = [wire.message_size(wire.encode(USER, src, pid, body)) for pid in pids]
+    assert len({wire.message_size(wire.encode(USER, src, pid, body)) for pid in pids}) == 1  # (the ids' lengths alike)
+    # Each link is charged the body, as if sent to its client alone (headers are fedemu's routing).
+    sizes = [wire.link_size(wire.encode(USER, src, pid, body)) for pid in pids]
     expected = {k: model.transmit(k, DOWN, sizes[k], 0.0).arrival for k in range(6)}
     assert {k: t for k, (t, _) in got.items()} == expected  # exact: no tolerance
     assert len(set(expected.values())) == 6  # the jitter made every link's instant its own

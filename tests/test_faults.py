@@ -218,14 +218,15 @@ def test_a_failed_write_keeps_every_line_whole_and_closes_the_log(tmp_path):
     log.event("start", clients=4)
     events = tmp_path / "events.jsonl"
     good = events.read_text()
-    full = open("/dev/full", "ab")  # stands in for the disk filling up under the open log
-    log._events.close()
-    log._events = full
+    log._events._f.close()
+    log._events._f = open("/dev/full", "ab")  # stands in for the disk filling up under the open log
     with pytest.raises(RunLogError, match=rf"cannot write {events}: No space left on device"):
         log.event("round", round=1, padding="x" * 10_000)
     assert events.read_text() == good
     with pytest.raises(RunLogError):
         log.event("round", round=2)
+    with pytest.raises(RunLogError):  # the per-client rows too: the log is closed
+        log.clients([(2, 0, "answered", 10, 0.5, 1.0, 1.0)])
     summary = log.summary(status="failed", reason=str(log.failed))
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert not (tmp_path / "summary.reserve").exists()  # its room was used for the summary

@@ -176,6 +176,33 @@ def test_clients_spread_over_hosts_train_like_a_local_run(hosts, tmp_path):
 @needs_hosts
 @pytest.mark.mnist
 @pytest.mark.slow
+def test_a_thousand_clients_a_round_over_two_hosts_train_the_model_one_machine_does(hosts, tmp_path):
+    """Cross-device scale: 2,000 clients of one example each, 1,000 a round, spread over
+    two hosts, and the same job on this machine with a single worker node: the same
+    model, bit for bit (the broadcast goes to each host once; the server sums the
+    uploads in the same order whichever node hosts which client)."""
+    job = ("data.clients=2000", "data.partition=sample", "algorithm.C=0.5", "run.rounds=2")
+    spread = launch(hosts, tmp_path / "spread", *job)
+    output, _ = spread.communicate(timeout=300)
+    assert spread.returncode == 0, output
+    local = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "local"),
+                            "--workers", "1", "--set", "run.target_accuracy=0", "--set", "run.torch_threads=1",
+                            *(arg for item in job for arg in ("--set", item))],
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stdout + local.stderr
+    rounds = {name: [e for e in read_events(tmp_path / name) if e["event"] == "round"] for name in ("spread", "local")}
+    assert [e["participants"] for e in rounds["spread"]] == [1000, 1000]
+    assert ([(e["accuracy"], e["emulated_s"], e["bytes_down"]) for e in rounds["spread"]]
+            == [(e["accuracy"], e["emulated_s"], e["bytes_down"]) for e in rounds["local"]])
+    hashes = {name: json.loads((tmp_path / name / "summary.json").read_text())["weights_sha256"]
+              for name in ("spread", "local")}
+    assert hashes["spread"] == hashes["local"]
+    assert_hosts_left_clean(hosts)
+
+
+@needs_hosts
+@pytest.mark.mnist
+@pytest.mark.slow
 def test_killing_a_hosts_worker_node_loses_its_clients_and_the_run_goes_on(hosts, tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(hosts, run_dir, "run.rounds=6", "run.heartbeat_timeout_s=2")

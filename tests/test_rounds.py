@@ -3,6 +3,7 @@ are discarded) and what happens when a deadline passes below the quorum (skip, o
 extend once). Scripted phases test the logic; two small launched runs test it end to end."""
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -287,11 +288,28 @@ def round_events(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == "round"]
 
 
+def per_client(run_dir: Path, e: dict) -> dict[str, set]:
+    """A round's clients by outcome: listed in its event, or (client_log = "csv") in
+    clients.csv, with only their counts in the event."""
+    if "clients" not in e:
+        return {key: set(e[key]) for key in ("selected", "answered", "discarded", "stragglers")}
+    with open(run_dir / "clients.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if int(row["round"]) == e["round"]]
+    outcome = {"answered": "answered", "discarded": "discarded", "stragglers": "straggler"}
+    got = {"selected": {int(r["client"]) for r in rows},
+           **{key: {int(r["client"]) for r in rows if r["outcome"] == name} for key, name in outcome.items()}}
+    assert e["clients"] == {**{key: len(v) for key, v in got.items()}, "dropped": 0, "slowed": 0}
+    assert all(r["num_samples"] for r in rows if r["outcome"] == "answered")
+    return got
+
+
 @pytest.mark.mnist
 @pytest.mark.slow
-def test_over_selection_on_a_real_run(tmp_path):
+@pytest.mark.parametrize("client_log", ["events", "csv"])
+def test_over_selection_on_a_real_run(tmp_path, client_log):
     """K = 10, m = 3, two extra; clients 5-9 have a 4 s uplink. Each round asks five and
-    aggregates the first three to answer: the fast ones whenever three were selected."""
+    aggregates the first three to answer: the fast ones whenever three were selected.
+    The clients are listed in the round events, or in clients.csv."""
     run_dir = tmp_path / "run"
     done = launch_file(run_dir, f"""
 [data]
@@ -302,6 +320,7 @@ B = 0
 over_select = 2
 [run]
 rounds = 3
+client_log = "{client_log}"
 [network.profiles.late]
 up = {{ latency_ms = {LATE_UP} }}
 [[network.assign]]
@@ -312,10 +331,11 @@ clients = "5-9"
     rounds = round_events(run_dir)
     assert [e["round"] for e in rounds] == [1, 2, 3]
     for e in rounds:
-        selected, answered, discarded = set(e["selected"]), set(e["answered"]), set(e["discarded"])
+        clients = per_client(run_dir, e)
+        selected, answered, discarded = clients["selected"], clients["answered"], clients["discarded"]
         assert len(selected) == 5 and e["participants"] == 3 and e["aggregated"]
         assert answered | discarded == selected and not answered & discarded
-        assert e["stragglers"] == [] and e["quorum_missed"] is None
+        assert clients["stragglers"] == set() and e["quorum_missed"] is None
         fast = {k for k in selected if k < 5}
         # The first three to arrive: every fast one if at most three were selected, else only fast ones.
         assert fast <= answered if len(fast) <= 3 else answered <= fast

@@ -102,7 +102,7 @@ def test_every_message_arrives_exactly_when_the_link_model_says_under_load(procs
     model = NetworkSpec.from_config(network, num_clients=4, run_seed=1).build()
 
     def size_on_wire(src, dst, size):
-        return wire.message_size(wire.encode(USER, src, dst, b"x" * size))
+        return wire.link_size(wire.encode(USER, src, dst, b"x" * size))
 
     up = [model.transmit(0, 0, size_on_wire(client_pid, server_pid, s), 0.0).arrival for s in sizes]
     assert seen == [(t, s) for t, s in zip(up, sizes)]  # exact: no tolerance
