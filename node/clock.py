@@ -43,7 +43,15 @@ class TimerRef:
         """Stop the send; True if it had not been made (and now never will be)."""
         with self._lock:
             self.cancelled = True
+            if not self.fired:
+                self.args = ()  # what it would have sent can go now
             return not self.fired
+
+    def take_args(self) -> tuple:
+        """What to send, once fired; the reference keeps none of it (a client keeps its
+        last reply's timer: 1,000 of them must not keep 1,000 models alive)."""
+        args, self.args = self.args, ()
+        return args
 
     def decide(self) -> bool:
         """Called under the lock when due: whether it fires (not cancelled, and its
@@ -111,7 +119,7 @@ class WallTimers:
                 fired = ref.decide()
             if fired:
                 try:
-                    self._fire(*ref.args)
+                    self._fire(*ref.take_args())
                 except Exception:  # one failed send must not stop every later timer
                     self._log.exception("node %s: a timed send failed", self._name)
 

@@ -85,11 +85,12 @@ class Timekeeping:
         timeout wakes its process."""
         self._hand_over()
         for ref in self.clock.due():
-            if isinstance(ref.args[0], ThreadProcess):
-                ref.args[0]._timer_fired(ref.args[1])
+            args = ref.take_args()
+            if isinstance(args[0], ThreadProcess):
+                args[0]._timer_fired(args[1])
                 continue
             try:
-                self._send(*ref.args)
+                self._send(*args)
             except Exception:  # one failed send must not stop the later timers
                 log.exception("node %s: a timed send failed", self.name)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -137,6 +138,23 @@ def test_send_after_fires_in_due_order_on_one_thread_and_can_be_cancelled(node):
     assert sorted(got) == list(range(1, 1000, 2))  # the uncancelled ones, each once
     assert got == sorted(got, key=lambda i: dues[i])  # soonest due first
     assert extra is TIMEOUT  # nothing cancelled was sent
+
+
+def test_a_timer_reference_keeps_nothing_of_what_it_sent_or_would_have(node):
+    """A client keeps its last reply's timer: were the reference to keep the reply, a
+    node whose 50,000 clients each trained once would keep 50,000 models."""
+    model = np.zeros(1000, np.float32)
+
+    def body(proc):
+        sent = proc.send_after(0.05, proc.pid, {"model": model})
+        dropped = proc.send_after(5.0, proc.pid, {"model": model})
+        dropped.cancel()
+        return sent, dropped, proc.receive(timeout=5)
+
+    sent, dropped, got = run_in_process(node, body)
+    assert got.body["model"].shape == (1000,)
+    assert sent.args == () and dropped.args == ()
+    assert sys.getrefcount(model) == 2  # this frame's name and getrefcount's argument: nothing else
 
 
 def test_receive_predicate_and_timeout(node):
