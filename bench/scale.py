@@ -15,6 +15,8 @@ Printed per point:
 * round: the median wall seconds of rounds 2..R, split into training (the CPU seconds the
   busiest worker node's pool threads, where clients train, spent per round) and the rest
   (the round's time minus that: the broker, the server, messaging, evaluation);
+* CPU seconds per round (rounds 2..R) of all pool threads (training) and of everything
+  else in every process of the run: the split that other load on the host does not skew;
 * messages/s: messages the link model delivered (each client's download and upload)
   per second of round, and how many the broker actually relayed (a round's model goes
   to each worker node once, however many of its clients were selected);
@@ -99,6 +101,15 @@ def pool_cpu_s(pid: int) -> float:
     return total / tick
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of a whole process, all threads."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     if not path.exists():
@@ -117,6 +128,8 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path) 
     workers: dict[int, str] = {}
     pool_after_round_1: dict[str, float] | None = None
     pool_last: dict[str, float] = {}
+    cpu_after_round_1: dict[int, float] | None = None
+    cpu_last: dict[int, float] = {}  # every process of the run
     to_start = None
     while launcher.poll() is None:
         if to_start is None and events(out):
@@ -128,6 +141,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path) 
                 continue
             kb = pss_kb(pid)
             tree += kb
+            cpu_last[pid] = process_cpu_s(pid) or cpu_last.get(pid, 0.0)
             peak_role[kind] = max(peak_role.get(kind, 0), kb)
             if kind.startswith("worker"):
                 workers[pid] = kind
@@ -137,7 +151,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path) 
             if cpu:
                 pool_last[kind] = cpu
         if pool_after_round_1 is None and any(e["event"] == "round" for e in events(out)):
-            pool_after_round_1 = dict(pool_last)
+            pool_after_round_1, cpu_after_round_1 = dict(pool_last), dict(cpu_last)
         time.sleep(0.2)
     output = launcher.stdout.read()
     if launcher.returncode != 0:
@@ -147,6 +161,9 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path) 
     median_round = statistics.median(e["round_s"] for e in timed)
     before = pool_after_round_1 or {}
     training = max((pool_last[k] - before.get(k, 0.0)) / len(timed) for k in pool_last) if pool_last else 0.0
+    # CPU, not wall: what the rest costs beside training whatever else runs on the host.
+    training_cpu = sum(pool_last[k] - before.get(k, 0.0) for k in pool_last) / len(timed)
+    all_cpu = sum(cpu_last[p] - (cpu_after_round_1 or {}).get(p, 0.0) for p in cpu_last) / len(timed)
     delivered = sum(e["msgs_up"] + e["msgs_down"] for e in timed)
     stats = broker_stats(out)
     relayed_share = ((stats["msgs_up"] + stats["fanout_msgs"] + stats["msgs_down"] - stats["fanout_receivers"])
@@ -156,6 +173,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path) 
         "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
         "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
         "training_s": round(training, 3), "rest_s": round(median_round - training, 3),
+        "training_cpu_s": round(training_cpu, 3), "rest_cpu_s": round(all_cpu - training_cpu, 3),
         "delivered_per_s": round(delivered / round_wall), "relayed_per_s": round(delivered * relayed_share / round_wall),
         "peak_tree_pss_mb": round(peak_tree / 1024), "peak_pss_mb": {k: round(v / 1024) for k, v in sorted(peak_role.items())},
         "wall_s": round(time.monotonic() - started, 1),
@@ -196,12 +214,13 @@ def main() -> None:
     roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
     print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
           f"'sample'); {os.cpu_count()} cores; 1-min load average at end {os.getloadavg()[0]:.2f}")
-    print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | delivered msg/s | relayed msg/s "
-          "| tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles) + " |")
-    print("|" + " ---: |" * (9 + len(roles)))
+    print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / rest "
+          "| delivered msg/s | relayed msg/s | tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles) + " |")
+    print("|" + " ---: |" * (10 + len(roles)))
     for r in results:
         print(f"| {r['population']} | {r['per_round']} | {r['start_s']} | {r['median_round_s']} | {r['training_s']} "
-              f"| {r['rest_s']} | {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
+              f"| {r['rest_s']} | {r['training_cpu_s']} / {r['rest_cpu_s']} "
+              f"| {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
               + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles) + " |")
 
 
