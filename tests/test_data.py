@@ -546,14 +546,15 @@ def test_sample_gives_each_of_more_clients_than_examples_its_own_seeded_draw():
     distinct, in range) from its own stream, the same on every node and every access;
     clients overlap, as they must."""
     shares = partition.make("sample", np.zeros(60_000), 100_000, seed=7, size=5)
-    assert len(shares) == 100_000
-    last = shares[99_999]
+    assert len(shares) == 100_000 and len(shares[99_999]) == 5  # known without drawing
+    last = np.asarray(shares[99_999])  # drawn when read
     assert last.dtype == np.int64 and len(set(last.tolist())) == 5 and np.all(np.diff(last) > 0)
     assert 0 <= last.min() and last.max() < 60_000
     again = partition.make("sample", np.zeros(60_000), 100_000, seed=7, size=5)
-    assert all(np.array_equal(shares[k], again[k]) for k in (0, 1, 50_000, 99_999))
+    assert all(np.array_equal(shares[k], again[k]) and np.array_equal(shares[k], shares[k])
+               for k in (0, 1, 50_000, 99_999))
     assert not np.array_equal(shares[0], partition.make("sample", np.zeros(60_000), 100_000, seed=8, size=5)[0])
-    drawn = np.concatenate([shares[k] for k in range(20_000)])
+    drawn = np.concatenate([np.asarray(shares[k]) for k in range(20_000)])
     assert len(np.unique(drawn)) < len(drawn)  # 100,000 draws of 60,000 examples overlap
     with pytest.raises(ValueError, match="examples_per_client = 0"):
         partition.make("sample", np.zeros(10), 3, seed=1, size=0)

@@ -255,7 +255,8 @@ class Client(Behaviour):
         return reply, hold
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.data.train_x[self.indices], self.data.train_y[self.indices]
+        indices = np.asarray(self.indices)  # a sampled share is drawn here, when the client trains
+        return self.data.train_x[indices], self.data.train_y[indices]
 
     # --- asynchronous rules ---------------------------------------------------------------------
 
@@ -418,7 +419,7 @@ def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec) -> float:
     node reports ready, so they do not land inside round 1's deadline."""
     started = time.perf_counter()  # wall: how long the warm-up took, for the log
     model = model_spec.build()
-    sample = indices[:10]
+    sample = np.asarray(indices)[:10]
     training.client_update(model, data.train_x[sample], data.train_y[sample], epochs=1, batch_size=10, lr=0.0,
                            generator=torch.Generator().manual_seed(0), dataset=data.dataset)
     training.evaluate(model, data.test_x[:10], data.test_y[:10], dataset=data.dataset)

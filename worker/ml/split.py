@@ -80,7 +80,7 @@ def share_stats(run_data: data.Data, shares: list[np.ndarray]) -> list[dict]:
     classes = run_data.dataset.num_classes
     rows = []
     for client, share in enumerate(shares):
-        held = labels[share]
+        held = labels[np.asarray(share)]
         if run_data.dataset.ignore_label is not None:
             held = held[held != run_data.dataset.ignore_label]
         counts = np.bincount(held.ravel().astype(np.int64), minlength=classes)
