@@ -26,6 +26,7 @@ Printed per point:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -184,8 +185,6 @@ def broker_stats(run_dir: Path) -> dict:
     """The broker's final counters, from the line it logs as it stops."""
     for line in (run_dir / "logs" / "broker.log").read_text().splitlines():
         if "broker stopped;" in line:
-            import ast
-
             return ast.literal_eval(line.split("broker stopped; ", 1)[1])
     raise RuntimeError(f"no final counters in {run_dir / 'logs' / 'broker.log'}")
 

@@ -230,7 +230,7 @@ class VirtualScheduler:
         (a wall-time event) may be on its way to saying so."""
         if self._stalled_told:
             return
-        now = time.monotonic()
+        now = time.monotonic()  # wall: the grace is real time (see STALL_GRACE_S)
         if self._stall_seen is None:
             self._stall_seen = now
         if now - self._stall_seen < STALL_GRACE_S:

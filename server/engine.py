@@ -378,13 +378,13 @@ class RoundEngine(Engine):
         rounds of up to CLIENTS_IN_EVENTS clients (``client_log = "auto"``); beyond, or
         with "csv", the event counts them and clients.csv gets a row per client."""
         final = {r.client: r for r in book.final_replies}
-        outcome = {**{k: "discarded" for k in book.discarded}, **{k: "straggler" for k in book.stragglers},
-                   **{k: "dropped" for k in book.dropped}, **{k: "answered" for k in final}}
         mode = self.settings.client_log
         if mode == "events" or (mode == "auto" and len(book.selected) <= CLIENTS_IN_EVENTS):
             return dict(selected=book.selected, answered=sorted(final), stragglers=sorted(book.stragglers),
                         dropped=sorted(book.dropped), discarded=sorted(book.discarded),
                         slowdowns={k: round(r.slowdown, 3) for k, r in sorted(final.items()) if r.slowdown != 1.0})
+        outcome = {**{k: "discarded" for k in book.discarded}, **{k: "straggler" for k in book.stragglers},
+                   **{k: "dropped" for k in book.dropped}, **{k: "answered" for k in final}}
         rows = []
         for k in book.selected:
             r = final.get(k)

@@ -1,5 +1,7 @@
 import pytest
 
+from fedemu.node import Node
+
 from .realprocs import Procs
 
 
@@ -9,3 +11,18 @@ def procs(tmp_path):
     p = Procs(tmp_path)
     yield p
     p.close()
+
+
+@pytest.fixture
+def nodes(procs):
+    """Nodes in this process, connected to a test's broker; closed before the broker stops."""
+    made: list[Node] = []
+
+    def make(broker: str, *names: str) -> list[Node]:
+        for name in names:
+            made.append(Node(name, broker, heartbeat_interval=0.1, heartbeat_timeout=5.0).start())
+        return made[-len(names):]
+
+    yield make
+    for node in made:
+        node.close()

@@ -14,29 +14,9 @@ from fedemu.node.links import DOWN, NetworkSpec
 from fedemu.node.wire import MANY, USER, WireError
 
 from .realprocs import Procs
+from .test_virtual_time import wait_for
 
 PAYLOAD = np.arange(50_000, dtype=np.float32)  # 200 KB: the bandwidth shapes it
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def nodes():
-    made: list[Node] = []
-
-    def make(broker: str, *names: str) -> list[Node]:
-        for name in names:
-            made.append(Node(name, broker, heartbeat_interval=0.1, heartbeat_timeout=5.0).start())
-        return made[-len(names):]
-
-    yield make
-    for node in made:
-        node.close()
 
 
 def broker_with(procs: Procs, network: dict, clock: str, num_clients: int = 6) -> str:
@@ -44,13 +24,6 @@ def broker_with(procs: Procs, network: dict, clock: str, num_clients: int = 6) -
     path.write_text(json.dumps({"num_clients": num_clients, "seed": 3, "time_scale": 1.0, "clock": clock,
                                 "network": network}))
     return procs.broker("--network", str(path), heartbeat_timeout=5.0)
-
-
-def wait_for(condition, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def receivers(node_a: Node, node_b: Node, got: dict, wait: float = 1e6) -> list[Pid]:

@@ -49,20 +49,6 @@ class Hogs:
             p.wait()
 
 
-@pytest.fixture
-def nodes(procs):
-    made: list[Node] = []
-
-    def make(broker: str, *names: str) -> list[Node]:
-        for name in names:
-            made.append(Node(name, broker, heartbeat_interval=0.1, heartbeat_timeout=5.0).start())
-        return made[-len(names):]
-
-    yield make
-    for node in made:
-        node.close()
-
-
 def test_every_message_arrives_exactly_when_the_link_model_says_under_load(procs, nodes):
     """Latency, jitter, a 1 MB/s uplink shared by back-to-back messages, and the server's
     own uplink bottleneck downstream: each arrival, read on the receiver's clock, equals

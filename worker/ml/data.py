@@ -107,7 +107,7 @@ def _is_complete(folder: pathlib.Path, dataset: Dataset) -> bool:
 
 
 def _remove_stale_staging(root: pathlib.Path, name: str) -> None:
-    cutoff = time.time() - _STALE_STAGING_SECONDS
+    cutoff = time.time() - _STALE_STAGING_SECONDS  # wall: compared with files' mtimes
     for leftover in root.glob(f".{name}{_STAGING_PREFIX}*"):
         try:
             if leftover.stat().st_mtime < cutoff:
@@ -242,7 +242,7 @@ def fetch(
     failures: list[tuple[str, Exception]] = []
     for source_name, obtain in dataset.sources():
         progress(f"{name}: trying {source_name}")
-        started = time.monotonic()
+        started = time.monotonic()  # wall: a download's duration, printed
         try:
             arrays, source = obtain(progress)
             dataset.check(arrays, source_name)
@@ -253,7 +253,7 @@ def fetch(
             continue
         progress(f"{name}: writing {', '.join(dataset.arrays())} to {final}")
         _publish(root, dataset, arrays, source)
-        progress(f"{name}: cached in {final} ({time.monotonic() - started:.1f} s)")
+        progress(f"{name}: cached in {final} ({time.monotonic() - started:.1f} s)")  # wall
         return final
 
     listing = "\n".join(f"  - {source_name}: {error}" for source_name, error in failures)

@@ -81,10 +81,10 @@ def compressed_client_update(
                                lr=lr, generator=generator, lr_decay=lr_decay,
                                start_iteration=start_iteration, prox_mu=prox_mu, dataset=dataset)
         delta = result.weights - start_weights
-        started = time.perf_counter()
+        started = time.perf_counter()  # wall: the encoding's measured compute
         encoded = codec.encode(delta, seed)
         return CompressedResult(encoded, delta, result.num_samples, result.train_loss, result.steps,
-                                time.perf_counter() - started)
+                                time.perf_counter() - started)  # wall
     if prox_mu:  # config.py refuses FedProx with structured updates
         raise ValueError("a structured update has no proximal term; use sketched compression with FedProx")
     return _restricted_update(model, x, y, codec, seed, start_weights,
@@ -145,7 +145,7 @@ def _restricted_update(model, x, y, codec, seed, start_weights,
             products[index] = low_rank_product(f.basis, f.factor.detach().numpy())
             f.parameter.copy_(f.base + torch.from_numpy(products[index]).view_as(f.base))
 
-    started = time.perf_counter()
+    started = time.perf_counter()  # wall: the encoding's measured compute
     delta = get_flat(model) - start_weights
     coordinates = []
     for plan in codec.layers:
@@ -159,4 +159,4 @@ def _restricted_update(model, x, y, codec, seed, start_weights,
             coordinates.append(block)
     encoded = codec.encode_restricted(coordinates, seed)
     return CompressedResult(encoded, delta, count, float(np.mean(epoch_losses)), steps,
-                            time.perf_counter() - started)
+                            time.perf_counter() - started)  # wall
