@@ -54,9 +54,13 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _launcher_address() -> str | None:
-    """The address this host sees the launcher's SSH connection come from: an address
-    of the launcher's machine that is routable from here."""
+def _launcher_address(slurm_task: bool = False) -> str | None:
+    """The address this host sees the launcher's SSH connection (or Slurm step) come
+    from: an address of the launcher's machine that is routable from here."""
+    if slurm_task:
+        from .slurm import launch_address
+
+        return launch_address()
     words = os.environ.get("SSH_CONNECTION", "").split()
     return words[0] if words else None
 
@@ -71,9 +75,13 @@ def _reachable(address: str, port: int, timeout: float = 5.0) -> str | None:
 
 
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
-              model: str | None = None) -> dict:
+              model: str | None = None, slurm_task: bool = False) -> dict:
     report: dict = {"fedemu": fedemu_version(), "code": code_digest(), "python": sys.version.split()[0],
-                    "executable": sys.executable, "cores": os.cpu_count() or 1, "problems": []}
+                    "executable": sys.executable, "cores": usable_cores(), "problems": []}
+    if slurm_task:  # one report per node of the step: say which
+        from .slurm import task_identity
+
+        report["node"] = task_identity()[1]
     try:
         import torch
 
@@ -99,11 +107,12 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
             report["dataset"] = str(data.fetch(dataset, cache_dir or None, progress=lambda _: None))
         except data.DatasetError as exc:
             report["problems"].append(f"data set {dataset!r} is neither cached nor fetchable: {exc}")
-    address = broker_address or _launcher_address()
+    address = broker_address or _launcher_address(slurm_task)
     report["broker_address"] = address
     if broker_port is not None:
         if address is None:
-            report["problems"].append("cannot tell the launcher's address (no SSH_CONNECTION); pass --advertise")
+            source = "SLURM_LAUNCH_NODE_IPADDR" if slurm_task else "SSH_CONNECTION"
+            report["problems"].append(f"cannot tell the launcher's address (no {source}); pass --advertise")
         else:
             reason = _reachable(address, broker_port)
             if reason:
@@ -114,14 +123,24 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
 # --- the host agent ------------------------------------------------------------------
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on: all of the host's, or those Slurm (or taskset)
+    bound it to."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def host_config(config_toml: str, local_workers: int) -> str:
     """The run's config as this host's nodes read it: torch_threads = 0 means this
-    host's cores over this host's worker nodes, not over the run's total."""
+    host's cores (this task's, under Slurm) over this host's worker nodes, not over the
+    run's total."""
     from . import config as configuration
 
     config = tomllib.loads(config_toml)
     if not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":  # virtual time pins it to 1
-        config["run"]["torch_threads"] = max(1, (os.cpu_count() or 1) // max(1, local_workers))
+        config["run"]["torch_threads"] = max(1, usable_cores() // max(1, local_workers))
     return configuration.to_toml(config)
 
 
@@ -199,13 +218,19 @@ class HostAgent:
         return 0
 
 
-def run_agent() -> int:
+def run_agent(slurm_task: bool = False) -> int:
+    """The host agent; as a task of a Slurm step (``slurm_task``) it starts only the
+    worker node whose index is its task number (every task reads the same bundle)."""
     line = sys.stdin.readline()
     try:
         bundle = json.loads(line)
     except json.JSONDecodeError:
         print(f"error the first line is not a launch bundle: {line[:80]!r}", flush=True)
         return 2
+    if slurm_task:
+        from .slurm import task_identity
+
+        bundle["indices"] = [bundle["indices"][task_identity()[0]]]
     agent = HostAgent(bundle)
     # SIGHUP/SIGTERM from sshd mean the session is gone: stop the nodes, as on EOF.
     for sig in STOP_SIGNALS:

@@ -30,12 +30,17 @@ def main() -> None:
 def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None,
            machines) -> None:
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
-    with worker nodes on other machines (--machines / --hostfile)."""
+    with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
+    Slurm allocation (--slurm)."""
     from fedemu.worker.ml.data import DatasetError
 
     from .launcher import launch as run_local
     from .rundir import LaunchError
+    from .slurm import Allocation
 
+    if workers is not None and isinstance(machines, Allocation):
+        raise click.UsageError("with --slurm the allocation's tasks are the worker nodes: ask Slurm for them "
+                               "(--ntasks, --ntasks-per-node) instead of --workers")
     try:
         run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
     except (configuration.ConfigError, LaunchError, DatasetError) as exc:
@@ -202,26 +207,30 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
 @click.option("--broker-port", type=int)
 @click.option("--broker-address")
 @click.option("--model", help="model.name: this host must be able to build it (a plug-in must be importable).")
+@click.option("--slurm-task", is_flag=True, help="Run as a task of a Slurm step (`fedemu launch --slurm`).")
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
-              model: str | None) -> None:
-    """Check this host for a multi-machine run; print one JSON line (run over SSH)."""
+              model: str | None, slurm_task: bool) -> None:
+    """Check this host for a multi-machine run; print one JSON line (run over SSH or srun)."""
     from .agent import preflight as check_host
 
-    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model)))
+    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model, slurm_task)))
 
 
 @main.command("host-agent", hidden=True)
-def host_agent() -> None:
-    """Start and supervise this host's worker nodes (run over SSH by `fedemu launch --machines`)."""
+@click.option("--slurm-task", is_flag=True, help="Run as a task of a Slurm step: start worker node SLURM_PROCID.")
+def host_agent(slurm_task: bool) -> None:
+    """Start and supervise this host's worker nodes (run over SSH by `fedemu launch
+    --machines`, or as srun tasks by `fedemu launch --slurm`)."""
     from .agent import run_agent
 
-    sys.exit(run_agent())
+    sys.exit(run_agent(slurm_task))
 
 
 # The study commands (issue 7) live in study_cli.py.
-from .study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep  # noqa: E402
+from .study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep, sweep_task as _sweep_task  # noqa: E402
 
 main.add_command(_sweep)
+main.add_command(_sweep_task)
 main.add_command(_report)
 main.add_command(_compare)
 main.add_command(_export)

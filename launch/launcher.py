@@ -22,8 +22,11 @@ def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], No
     nodes on a host without ``slots=``)."""
     if machines is None:
         return LocalRun(config, run_dir, workers, echo)
-    from .machines import MachinesRun  # SSH and the preflight: only for runs that use them
+    from .machines import MachinesRun  # SSH (or srun) and the preflight: only for runs that use them
+    from .slurm import Allocation, SlurmRun
 
+    if isinstance(machines, Allocation):
+        return SlurmRun(config, run_dir, machines, echo)
     return MachinesRun(config, run_dir, machines, echo, default_slots=default_slots)
 
 

@@ -56,8 +56,11 @@ def stop_reason(signum: int) -> str:
     if signum == signal.SIGTERM and parent_died(settle=0.3):
         return f"terminated: its launcher (pid {os.environ.get(PARENT_ENV)}) died"
     name = signal.Signals(signum).name
+    job = os.environ.get("SLURM_JOB_ID")
+    # In a Slurm job, SIGTERM is how Slurm ends it: scancel, the time limit, preemption.
+    in_slurm = f" in Slurm job {job}: scancel, the job's time limit or preemption" if job else ""
     return {signal.SIGINT: "interrupted by the user (SIGINT)",
-            signal.SIGTERM: "terminated (SIGTERM)",
+            signal.SIGTERM: f"terminated (SIGTERM{in_slurm})",
             signal.SIGHUP: "hung up (SIGHUP: the terminal or session closed)"}.get(signum, f"stopped by {name}")
 
 

@@ -115,10 +115,12 @@ def assign_workers(hosts: list[Host], cores: dict[Host, int], default_slots: int
 
 
 class RemoteHost:
-    """The SSH session to one host's agent, and the output it streams back."""
+    """The session (``via`` ssh, or srun for a Slurm step) to one host's agent, or to a
+    step of agents, and the output it streams back."""
 
-    def __init__(self, host: Host, run_dir: Path, echo: Callable[[str], None]) -> None:
+    def __init__(self, host: Host, run_dir: Path, echo: Callable[[str], None], via: str = "ssh") -> None:
         self.host = host
+        self.via = via
         self.run_dir = run_dir
         self.echo = echo
         self.proc: subprocess.Popen | None = None
@@ -127,10 +129,15 @@ class RemoteHost:
         self.lost_reported = False
         self._reader: threading.Thread | None = None
 
-    def start(self, argv: list[str], bundle: dict) -> None:
-        ssh_log = open(self.run_dir / "logs" / f"ssh-{self.host.label}.log", "ab")
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "logs" / f"{self.via}-{self.host.label}.log"
+
+    def start(self, argv: list[str], bundle: dict, env: dict | None = None) -> None:
+        ssh_log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ssh_log,
-                                     text=True, errors="replace", start_new_session=True)  # see LocalRun._start
+                                     text=True, errors="replace", start_new_session=True,  # see LocalRun._start
+                                     env=env)
         ssh_log.close()
         self.proc.stdin.write(json.dumps(bundle) + "\n")
         self.proc.stdin.flush()
@@ -163,10 +170,17 @@ class RemoteHost:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def ssh_tail(self, lines: int = 3) -> str:
-        path = self.run_dir / "logs" / f"ssh-{self.host.label}.log"
+    def log_tail(self, lines: int = 3) -> str:
+        path = self.log_path
         text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
         return " | ".join(text[-lines:]) or "(no output)"
+
+    def ended(self, timeout: float) -> bool:
+        """Whether the agent (session) ends within ``timeout`` s, on its own."""
+        try:
+            return self.proc is None or self.proc.wait(timeout) is not None
+        except subprocess.TimeoutExpired:
+            return False
 
     def request_stop(self) -> None:
         if self.alive():
@@ -222,6 +236,7 @@ class MachinesRun(LocalRun):
         record = {
             "broker_port": port,
             "server_host": "local",
+            **self.placement_source(),
             "hosts": [{"host": str(h), "address": reports[h]["broker_address"], "workers": indices,
                        "clients": [clients[indices[0]].start, clients[indices[-1]].stop - 1],
                        "fedemu": reports[h]["fedemu"], "torch": reports[h].get("torch"),
@@ -240,16 +255,22 @@ class MachinesRun(LocalRun):
             self.echo(f"host {entry['host']}: worker nodes {entry['workers']}, clients "
                       f"{entry['clients'][0]}..{entry['clients'][1]}")
         self._start_server(f"tcp://127.0.0.1:{port}")
-        run_id = secrets.token_hex(4)
-        keys_text = self.keys_file.read_text()
-        config_toml = (self.run_dir / "config.toml").read_text()
+        bundle = {"run_id": secrets.token_hex(4), "config_toml": (self.run_dir / "config.toml").read_text(),
+                  "keys": self.keys_file.read_text(), "workers": self.workers}
+        self.start_agents(assignment, reports, port, bundle)
+
+    def placement_source(self) -> dict:
+        """What chose the hosts, for machines.json."""
+        return {"launcher": "ssh"}
+
+    def start_agents(self, assignment: dict[Host, list[int]], reports: dict[Host, dict], port: int,
+                     bundle: dict) -> None:
+        """One host agent per host, over SSH, each starting that host's worker nodes."""
         for host, indices in assignment.items():
             remote = RemoteHost(host, self.run_dir, self.echo)
-            bundle = {"run_id": run_id, "config_toml": config_toml, "keys": keys_text,
-                      "broker": f"tcp://{reports[host]['broker_address']}:{port}",
-                      "workers": self.workers, "indices": indices}
             remote.start(self.machines.ssh(host, [self.machines.python_for(host), "-m", "fedemu.launch",
-                                                  "host-agent"]), bundle)
+                                                  "host-agent"]),
+                         {**bundle, "broker": f"tcp://{reports[host]['broker_address']}:{port}", "indices": indices})
             self.remotes.append(remote)
 
     def _set_links(self, port: int, by_machine: list[tuple[str, frozenset[int]]]) -> None:
@@ -293,8 +314,8 @@ class MachinesRun(LocalRun):
             if remote._reader is not None:
                 remote._reader.join(2)  # its last lines say how the nodes ended
             if not remote.pids or any(remote.exits.get(name) != 0 for name in remote.pids):
-                self.echo(f"warning: the session to {remote.host} ended (ssh exit {remote.proc.returncode}): "
-                          f"{remote.ssh_tail()}; the server sees its clients DOWN")
+                self.echo(f"warning: the session to {remote.host} ended ({remote.via} exit {remote.proc.returncode}): "
+                          f"{remote.log_tail()}; the server sees its clients DOWN")
 
     def stop(self, grace: float = 15.0) -> None:
         server = self.procs.get("server")
@@ -303,9 +324,14 @@ class MachinesRun(LocalRun):
                 server.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
+        deadline = time.monotonic() + grace
+        if server is not None and server.poll() == 0:
+            # The server told the nodes to leave: give them a moment to exit on their own,
+            # so a node still tearing down is not counted as killed.
+            for remote in self.remotes:
+                remote.ended(min(5.0, max(0.1, deadline - time.monotonic())))
         for remote in self.remotes:
             remote.request_stop()
-        deadline = time.monotonic() + grace
         for remote in self.remotes:
             remote.wait(max(0.1, deadline - time.monotonic()))
         super().stop(grace)

@@ -3,26 +3,39 @@ the main group at the end of cli.py)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
-from .host_options import machine_options
+from .host_options import ssh_machine_options
 from .lifecycle import raise_on_stop_signals
 
 
 @click.command()
 @click.argument("sweep_file", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), help="Sweep directory (default: sweep.out, or sweeps/<name>).")
-@click.option("--parallel", type=int, help="Points at once (default: sweep.parallel; 0: cores / workers per point).")
+@click.option("--parallel", type=int,
+              help="Points at once (default: sweep.parallel; 0: cores / workers per point). With --slurm: "
+                   "the array's task limit (0: Slurm's).")
 @click.option("--workers-per-point", type=int,
-              help="Worker nodes per point (default: sweep.workers_per_point, 1). With --machines: per host without slots=.")
+              help="Worker nodes per point (default: sweep.workers_per_point, 1). With --machines: per host "
+                   "without slots=. With --slurm: Slurm tasks per array task.")
 @click.option("--dry-run", is_flag=True, help="List the points and exit.")
-@machine_options
+@click.option("--slurm", is_flag=True,
+              help="Submit the points as a Slurm job array (the sweep directory on a shared file system).")
+@click.option("--sbatch-args", default="", metavar="'OPTIONS'",
+              help="With --slurm: more sbatch options for every array task, e.g. '--partition=cpu --time=2:00:00'.")
+@click.option("--wait", is_flag=True, help="With --slurm: follow the job array to its end, collecting results.")
+@ssh_machine_options
 def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_point: int | None, dry_run: bool,
-          machines) -> None:
+          slurm: bool, sbatch_args: str, wait: bool, machines) -> None:
     """Run every point of SWEEP_FILE's grid; rerun to resume (completed points are skipped,
     failed and interrupted ones retried). With --machines every point's worker nodes run
-    on the hosts; --parallel N splits the hosts into N groups, one point on each."""
+    on the hosts; --parallel N splits the hosts into N groups, one point on each. With
+    --slurm the points are the tasks of a Slurm job array; rerun to collect results and
+    re-submit what failed."""
+    import shlex
+
     from fedemu.worker.ml.data import DatasetError
 
     from .sweep import run_sweep
@@ -30,12 +43,24 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
 
     if parallel is not None and parallel < 0 or workers_per_point is not None and workers_per_point < 1:
         raise click.ClickException("--parallel must be >= 0 and --workers-per-point >= 1")
+    if slurm and machines is not None:
+        raise click.UsageError("--slurm runs the points on the cluster's nodes; drop --machines/--hostfile")
+    if not slurm and (sbatch_args or wait):
+        raise click.UsageError("--sbatch-args and --wait go with --slurm")
     # SIGTERM and SIGHUP stop the sweep as Ctrl-C does: running points are interrupted and recorded.
     raise_on_stop_signals()
     try:
         spec = load_spec(sweep_file, out)
-        counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
-                           echo=click.echo, dry_run=dry_run)
+        if slurm:
+            from .sweep_slurm import run_slurm_sweep
+
+            if parallel is not None:
+                spec.parallel = parallel
+            counts = run_slurm_sweep(spec, workers_per_point=workers_per_point, sbatch_args=shlex.split(sbatch_args),
+                                     wait=wait, echo=click.echo, dry_run=dry_run)
+        else:
+            counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
+                               echo=click.echo, dry_run=dry_run)
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -47,6 +72,15 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     click.echo(f"sweep directory: {spec.out.resolve()}  (index: sweep.db; `fedemu report {spec.out}` draws it)")
     if counts.get("failed") or counts.get("interrupted"):
         sys.exit(1)
+
+
+@click.command("sweep-task", hidden=True)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def sweep_task(folder: Path) -> None:
+    """One point of a `fedemu sweep --slurm` job array (run by Slurm as an array task)."""
+    from .sweep_slurm import run_task
+
+    sys.exit(run_task(folder))
 
 
 @click.command()

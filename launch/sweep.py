@@ -184,17 +184,9 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
 def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, hosts: Machines | None,
            stop: threading.Event) -> tuple[threading.Thread, dict, Point]:
     config = layout.point_config(p.config)
-    run_rel = Path("runs") / p.id
-    run_dir = sweep_dir / run_rel
-    attempts = (row["attempts"] or 0) + 1
-    if run_dir.exists():  # an earlier attempt: keep it for its logs, out of the way
-        aside = sweep_dir / "attempts" / f"{p.id}.{attempts - 1}"
-        aside.parent.mkdir(exist_ok=True)
-        if aside.exists():
-            shutil.rmtree(aside)
-        run_dir.rename(aside)
-    index.update(p.id, status="running", attempts=attempts, run_dir=str(run_rel), started_at=now(),
-                 finished_at=None, reason=None, pids="[]")
+    run_dir, attempts = new_attempt(sweep_dir, p.id, row)
+    index.update(p.id, status="running", attempts=attempts, run_dir=str(run_dir.relative_to(sweep_dir)),
+                 started_at=now(), finished_at=None, reason=None, pids="[]")
     box: dict = {"hosts": hosts}
     lock = threading.Lock()
 
@@ -214,6 +206,20 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
     thread = threading.Thread(target=target, name=f"point {p.id}", daemon=True)
     thread.start()
     return thread, box, p
+
+
+def new_attempt(sweep_dir: Path, point_id: str, row: dict) -> tuple[Path, int]:
+    """The run directory of a point's next attempt, and that attempt's number; an
+    earlier attempt's directory is kept for its logs, out of the way, in attempts/."""
+    run_dir = sweep_dir / "runs" / point_id
+    attempts = (row["attempts"] or 0) + 1
+    if run_dir.exists():
+        aside = sweep_dir / "attempts" / f"{point_id}.{attempts - 1}"
+        aside.parent.mkdir(exist_ok=True)
+        if aside.exists():
+            shutil.rmtree(aside)
+        run_dir.rename(aside)
+    return run_dir, attempts
 
 
 def _finish(p: Point, box: dict, index: Index, sweep_dir: Path, target: float, progress: Progress,

@@ -23,6 +23,7 @@ COLUMNS = {
     "uploads": "INTEGER", "final_accuracy": "REAL", "best_accuracy": "REAL", "bytes_up": "INTEGER",
     "bytes_down": "INTEGER", "emulated_s": "REAL", "target": "REAL", "tt_rounds": "REAL",
     "tt_emulated_s": "REAL", "tt_mb_up": "REAL", "pids": "TEXT", "weights_sha256": "TEXT",
+    "slurm_job": "TEXT",  # JOB_TASK of the array task that runs it (`fedemu sweep --slurm`)
 }
 
 

@@ -1,0 +1,255 @@
+"""`fedemu launch --slurm` and `fedemu sweep --slurm` on a real Slurm cluster.
+
+The cluster (testcluster.py) is Debian's slurmctld, slurmd and munge on this machine:
+two compute nodes, each a network namespace of its own; jobs are submitted with the real
+sbatch, worker nodes start through the real srun, and scancel is Slurm's own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fedemu.launch.cli import main
+from fedemu.launch.slurm import Allocation, NotInAllocation, hostnames, tasks_per_node
+from fedemu.launch.sweep_index import DB_FILE
+from fedemu.server.runlog import read_events
+
+from .testcluster import SlurmCluster, unavailable_reason
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "slurm" / "launch.sbatch"
+# A small virtual-time job: the weights it ends with do not depend on where it runs.
+JOB = ["--set", "data.clients=4", "--set", "algorithm.C=0.5", "--set", "run.target_accuracy=0"]
+
+# --- the allocation, read from the environment (no cluster needed) --------------------
+
+
+@pytest.mark.parametrize("text, counts", [("2", [2]), ("2(x3),1", [2, 2, 2, 1]), ("1,4(x2)", [1, 4, 4])])
+def test_slurm_task_counts_expand_as_slurm_compresses_them(text, counts):
+    assert tasks_per_node(text) == counts
+
+
+HOST_LISTS = {"n1": ["n1"], "n[1-3,7],gpu[01-02]": ["n1", "n2", "n3", "n7", "gpu01", "gpu02"],
+              "rack[1-2]-n[09-10]": ["rack1-n09", "rack1-n10", "rack2-n09", "rack2-n10"]}
+
+
+@pytest.mark.parametrize("nodelist", HOST_LISTS)
+def test_slurm_host_lists_expand_with_ranges_padding_and_several_brackets(nodelist):
+    assert hostnames(nodelist) == HOST_LISTS[nodelist]
+
+
+def test_a_host_list_slurm_would_not_write_is_refused_by_name():
+    with pytest.raises(NotInAllocation, match=r"'n\[1-x\]'.*'1-x' is not N or N-M"):
+        hostnames("n[1-x]")
+    with pytest.raises(NotInAllocation, match="unbalanced brackets"):
+        hostnames("n[1-2")
+
+
+def test_a_task_count_slurm_would_not_write_is_refused_by_name():
+    with pytest.raises(NotInAllocation, match=r"SLURM_TASKS_PER_NODE='2\(3\)'"):
+        tasks_per_node("2(3)")
+
+
+def test_launch_slurm_outside_an_allocation_says_where_it_must_run():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = CliRunner().invoke(main, ["launch", "--slurm", "--set", "run.rounds=1"], env=env)
+    assert result.exit_code != 0
+    assert "inside a Slurm allocation (salloc, or an sbatch script)" in result.output
+    assert "SLURM_JOB_ID is not set" in result.output
+
+
+def test_launch_slurm_refuses_workers_and_a_host_list():
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    with_workers = CliRunner().invoke(main, ["launch", "--slurm", "--workers", "3"], env=env)
+    assert with_workers.exit_code != 0 and "ask Slurm for them" in with_workers.output
+    with_hosts = CliRunner().invoke(main, ["launch", "--slurm", "--machines", "h1"], env=env)
+    assert with_hosts.exit_code != 0 and "give one of --machines, --hostfile and --slurm" in with_hosts.output
+
+
+def test_an_allocation_whose_task_counts_and_nodes_disagree_is_refused():
+    with pytest.raises(NotInAllocation, match="does not match the 2 node"):
+        Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x3)"})
+    allocation = Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+                                      "SLURM_TASKS_PER_NODE": "3,1"})
+    assert [(h.name, h.slots) for h in allocation.hosts] == [("n1", 3), ("n2", 1)]
+    # Without task counts (sbatch -N2 alone) each node runs one worker node.
+    bare = Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert [h.slots for h in bare.hosts] == [1, 1]
+
+
+def test_sweep_slurm_options_go_together():
+    result = CliRunner().invoke(main, ["sweep", "x.toml", "--wait"])
+    assert result.exit_code != 0 and "--sbatch-args and --wait go with --slurm" in result.output
+
+
+# --- on a real cluster ---------------------------------------------------------------
+
+needs_cluster = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no Slurm test cluster: {unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no Slurm test cluster: {reason}")
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), count=2)
+    try:
+        c.up()
+    except Exception:
+        c.down()
+        raise
+    yield c
+    c.down()
+
+
+def _batch(cluster: SlurmCluster, folder: Path, command: list[str], *options: str, wait: bool) -> str:
+    """Submit ``command`` as an sbatch script; returns the job id."""
+    script = folder / "job.sh"
+    script.write_text("#!/bin/sh\nexec " + " ".join(f"'{a}'" for a in command) + "\n")
+    done = cluster.slurm("sbatch", "--parsable", f"--output={folder / 'job.out'}", *options,
+                         *(["--wait"] if wait else []), str(script), timeout=600)
+    assert done.returncode == 0 or wait, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _fedemu_processes(cluster: SlurmCluster, run_dir: Path) -> list[str]:
+    """Processes of this run left anywhere: on the nodes, or here (broker, server)."""
+    left = [cmd for node in cluster.names for cmd in cluster.processes(node).values() if "fedemu" in cmd]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "fedemu.launch" in cmd and str(run_dir) in cmd:
+                left.append(cmd)
+    return left
+
+
+def _local_weights(tmp_path: Path, *extra: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", *JOB, *extra, "--workers", "1",
+                           "--out", str(tmp_path / "local")], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((tmp_path / "local" / "summary.json").read_text())["weights_sha256"]
+
+
+@needs_cluster
+def test_host_lists_expand_as_scontrol_expands_them(cluster):
+    for nodelist, names in HOST_LISTS.items():
+        done = cluster.slurm("scontrol", "show", "hostnames", nodelist)
+        assert done.stdout.split() == names == hostnames(nodelist)
+
+
+@needs_cluster
+def test_a_run_in_an_sbatch_job_puts_a_worker_node_on_each_task_and_ends_as_a_local_run_does(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    # The example script as a user submits it: fedemu on PATH, arguments for the launch,
+    # sbatch's options over the script's (one task on each node, one CPU each).
+    env = cluster.env()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    done = subprocess.run(["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", "--nodes=2", "--ntasks-per-node=1",
+                           "--cpus-per-task=1", str(EXAMPLE), *JOB, "--set", "run.rounds=2", "--out", str(run_dir)],
+                          capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    output = (tmp_path / "job.out").read_text()
+    assert done.returncode == 0, done.stderr + output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", output[-3000:]
+    placement = json.loads((run_dir / "machines.json").read_text())
+    assert placement["launcher"] == "slurm" and placement["slurm_job"]
+    assert [(h["host"], h["workers"], h["clients"]) for h in placement["hosts"]] == [
+        ("n1", [0], [0, 1]), ("n2", [1], [2, 3])]
+    # The batch script ran on the allocation's first node; its address is the broker's.
+    assert {h["address"] for h in placement["hosts"]} == {cluster.addresses[0]}
+    for worker in ("worker-0", "worker-1"):  # each node's output streamed back through srun
+        assert "hosts clients" in (run_dir / "logs" / f"{worker}.out").read_text()
+    assert "exited with code" not in output  # every worker node left when the server said so
+    # Virtual time: the same weights as the same job run on this machine alone.
+    assert summary["weights_sha256"] == _local_weights(tmp_path, "--set", "run.rounds=2")
+    assert _fedemu_processes(cluster, run_dir) == []
+
+
+@needs_cluster
+def test_a_preflight_problem_on_the_nodes_stops_the_run_before_it_starts_and_names_each_node(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    _batch(cluster, tmp_path, [sys.executable, "-m", "fedemu.launch", "launch", "--slurm", *JOB,
+                               "--remote-python", "/nonexistent/python", "--out", str(run_dir)],
+           "--nodes=2", "--ntasks-per-node=1", wait=True)
+    output = (tmp_path / "job.out").read_text()
+    assert "preflight failed; nothing was started" in output
+    for node in cluster.names:
+        assert f"  {node}: no preflight report from this node" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "preflight failed" in summary["reason"]
+    assert not (run_dir / "machines.json").exists() and not (run_dir / "logs" / "worker-0.out").exists()
+    assert _fedemu_processes(cluster, run_dir) == []
+
+
+@needs_cluster
+def test_scancel_mid_run_stops_every_process_and_the_run_directory_says_so(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = _batch(cluster, tmp_path, [sys.executable, "-m", "fedemu.launch", "launch", "--slurm", *JOB,
+                                     "--set", "run.rounds=500", "--out", str(run_dir)],
+                 "--nodes=2", "--ntasks-per-node=1", wait=False)
+    deadline = time.monotonic() + 240
+    while not [e for e in read_events(run_dir) if e.get("event") == "round"] if run_dir.exists() else True:
+        assert time.monotonic() < deadline, f"no round within 240 s: {(tmp_path / 'job.out').read_text()[-2000:]}"
+        time.sleep(0.5)
+    worker_pids = [cmd for node in cluster.names for cmd in cluster.processes(node).values() if "node worker" in cmd]
+    assert len(worker_pids) == 2  # one worker node running on each node
+    assert cluster.slurm("scancel", job).returncode == 0
+    cluster.wait_for_end(job, timeout=60)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert "SIGTERM" in summary["reason"] and f"Slurm job {job}" in summary["reason"]
+    assert 1 <= summary["rounds"] < 500
+    deadline = time.monotonic() + 20
+    while (left := _fedemu_processes(cluster, run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+
+
+@needs_cluster
+def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(cluster, tmp_path):
+    sweep_file = tmp_path / "seeds.toml"
+    sweep_file.write_text('[sweep]\nname = "seeds"\nparallel = 1\n'
+                          '[base.run]\nrounds = 1\ntarget_accuracy = 0.0\n'
+                          '[base.data]\nclients = 4\n[base.algorithm]\nC = 0.5\n'
+                          '[axes]\n"run.seed" = [1, 2]\n')
+    out = tmp_path / "sweep"
+    fedemu = [sys.executable, "-m", "fedemu.launch", "sweep", str(sweep_file), "--out", str(out), "--slurm"]
+    first = subprocess.run(fedemu, capture_output=True, text=True, env=cluster.env(), timeout=120,
+                           stdin=subprocess.DEVNULL)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 to submit" in first.stdout
+    job = (out / "slurm" / "submit-1" / "job").read_text().strip()
+    # parallel = 1: the second point waits behind the first; cancel it before it starts.
+    assert cluster.slurm("scancel", f"{job}_1").returncode == 0
+    second = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=600,
+                            stdin=subprocess.DEVNULL)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "FAILED seed=2: array task" in second.stdout  # the cancelled task, found and re-submitted
+    assert "1 to submit" in second.stdout
+    assert sorted(p.name for p in (out / "slurm" / "submit-2" / "points").iterdir()) == ["0.json"]
+    assert "sweep: 2 completed" in second.stdout
+    import sqlite3
+
+    rows = sqlite3.connect(out / DB_FILE).execute(
+        "SELECT id, status, slurm_job, attempts, weights_sha256 FROM points ORDER BY seq").fetchall()
+    assert [(r[0], r[1], r[3]) for r in rows] == [("seed=1", "completed", 1), ("seed=2", "completed", 2)]
+    assert rows[1][2].split("_")[0] != job  # seed=2 ran in the second array
+    # Placement independence: the array task's run has the local run's weights.
+    assert rows[0][4] == _local_weights(tmp_path, "--set", "run.rounds=1", "--set", "run.seed=1")
+    third = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=120,
+                           stdin=subprocess.DEVNULL)
+    assert "0 to submit" in third.stdout and not (out / "slurm" / "submit-3").exists()
+    report = subprocess.run([sys.executable, "-m", "fedemu.launch", "report", str(out)], capture_output=True,
+                            text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert report.returncode == 0, report.stderr
+    assert "2 points (2 completed)" in (out / "report" / "report.md").read_text()
