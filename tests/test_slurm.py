@@ -25,7 +25,7 @@ from .testcluster import SlurmCluster, unavailable_reason
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "slurm" / "launch.sbatch"
 # A small virtual-time job: the weights it ends with do not depend on where it runs.
-JOB = ["--set", "data.clients=4", "--set", "algorithm.C=0.5", "--set", "run.target_accuracy=0"]
+JOB = ["--set", "data.clients=4", "--set", "algorithm.C=0.5", "--set", "run.target_accuracy=0", "--set", "run.rounds=1"]
 
 # --- the allocation, read from the environment (no cluster needed) --------------------
 
@@ -108,14 +108,32 @@ def cluster(tmp_path_factory):
     c.down()
 
 
-def _batch(cluster: SlurmCluster, folder: Path, command: list[str], *options: str, wait: bool) -> str:
-    """Submit ``command`` as an sbatch script; returns the job id."""
-    script = folder / "job.sh"
-    script.write_text("#!/bin/sh\nexec " + " ".join(f"'{a}'" for a in command) + "\n")
-    done = cluster.slurm("sbatch", "--parsable", f"--output={folder / 'job.out'}", *options,
-                         *(["--wait"] if wait else []), str(script), timeout=600)
-    assert done.returncode == 0 or wait, done.stderr
-    return done.stdout.strip().split(";")[0]
+def _batch(cluster: SlurmCluster, folder: Path, command: list[str], *options: str, wait: bool,
+           env: dict | None = None) -> str:
+    """Submit ``command`` (a script and its arguments, or a command wrapped into one);
+    returns the job id, once the job has ended if ``wait``."""
+    if not command[0].endswith(".sbatch"):
+        script = folder / "job.sh"
+        script.write_text("#!/bin/sh\nexec " + " ".join(f"'{a}'" for a in command) + "\n")
+        command = [str(script)]
+    done = subprocess.run(["sbatch", "--parsable", f"--output={folder / 'job.out'}", *options, *command],
+                          capture_output=True, text=True, env=env or cluster.env(), timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    if wait:  # squeue every 0.5 s: sbatch --wait polls at up to 10 s intervals
+        cluster.wait_for_end(job, timeout=600)
+    return job
+
+
+@pytest.fixture(scope="module")
+def local_weights(tmp_path_factory) -> str:
+    """The final weights of JOB run on this machine alone, with one worker node."""
+    out = tmp_path_factory.mktemp("local") / "run"
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", *JOB, "--workers", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads((out / "summary.json").read_text())["weights_sha256"]
 
 
 def _fedemu_processes(cluster: SlurmCluster, run_dir: Path) -> list[str]:
@@ -132,14 +150,6 @@ def _fedemu_processes(cluster: SlurmCluster, run_dir: Path) -> list[str]:
     return left
 
 
-def _local_weights(tmp_path: Path, *extra: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", *JOB, *extra, "--workers", "1",
-                           "--out", str(tmp_path / "local")], capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return json.loads((tmp_path / "local" / "summary.json").read_text())["weights_sha256"]
-
-
 @needs_cluster
 def test_host_lists_expand_as_scontrol_expands_them(cluster):
     for nodelist, names in HOST_LISTS.items():
@@ -148,17 +158,16 @@ def test_host_lists_expand_as_scontrol_expands_them(cluster):
 
 
 @needs_cluster
-def test_a_run_in_an_sbatch_job_puts_a_worker_node_on_each_task_and_ends_as_a_local_run_does(cluster, tmp_path):
+def test_a_run_in_an_sbatch_job_puts_a_worker_node_on_each_task_and_ends_as_a_local_run_does(
+        cluster, tmp_path, local_weights):
     run_dir = tmp_path / "run"
     # The example script as a user submits it: fedemu on PATH, arguments for the launch,
     # sbatch's options over the script's (one task on each node, one CPU each).
     env = cluster.env()
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    done = subprocess.run(["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", "--nodes=2", "--ntasks-per-node=1",
-                           "--cpus-per-task=1", str(EXAMPLE), *JOB, "--set", "run.rounds=2", "--out", str(run_dir)],
-                          capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+    _batch(cluster, tmp_path, [str(EXAMPLE), *JOB, "--out", str(run_dir)],
+           "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", wait=True, env=env)
     output = (tmp_path / "job.out").read_text()
-    assert done.returncode == 0, done.stderr + output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed", output[-3000:]
     placement = json.loads((run_dir / "machines.json").read_text())
@@ -171,7 +180,7 @@ def test_a_run_in_an_sbatch_job_puts_a_worker_node_on_each_task_and_ends_as_a_lo
         assert "hosts clients" in (run_dir / "logs" / f"{worker}.out").read_text()
     assert "exited with code" not in output  # every worker node left when the server said so
     # Virtual time: the same weights as the same job run on this machine alone.
-    assert summary["weights_sha256"] == _local_weights(tmp_path, "--set", "run.rounds=2")
+    assert summary["weights_sha256"] == local_weights
     assert _fedemu_processes(cluster, run_dir) == []
 
 
@@ -216,7 +225,7 @@ def test_scancel_mid_run_stops_every_process_and_the_run_directory_says_so(clust
 
 
 @needs_cluster
-def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(cluster, tmp_path):
+def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(cluster, tmp_path, local_weights):
     sweep_file = tmp_path / "seeds.toml"
     sweep_file.write_text('[sweep]\nname = "seeds"\nparallel = 1\n'
                           '[base.run]\nrounds = 1\ntarget_accuracy = 0.0\n'
@@ -245,7 +254,7 @@ def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(clust
     assert [(r[0], r[1], r[3]) for r in rows] == [("seed=1", "completed", 1), ("seed=2", "completed", 2)]
     assert rows[1][2].split("_")[0] != job  # seed=2 ran in the second array
     # Placement independence: the array task's run has the local run's weights.
-    assert rows[0][4] == _local_weights(tmp_path, "--set", "run.rounds=1", "--set", "run.seed=1")
+    assert rows[0][4] == local_weights  # seed=1 is JOB's (the default seed)
     third = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=120,
                            stdin=subprocess.DEVNULL)
     assert "0 to submit" in third.stdout and not (out / "slurm" / "submit-3").exists()
