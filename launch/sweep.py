@@ -20,9 +20,10 @@ import shutil
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .lifecycle import DirectoryInUse, DirLock
 from .sweep_index import DB_FILE, Index, now, summary_fields
@@ -72,6 +73,16 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
             echo(f"{p.seq:4d}  {p.id}")
         echo(f"{len(points)} points; would run {layout.describe()}, into {sweep_dir}")
         return {"points": len(points)}
+    with opened(spec, points) as index:
+        _recover(index, sweep_dir, spec.target, echo)
+        return _run(spec, points, index, sweep_dir, layout, echo, stop or threading.Event())
+
+
+@contextmanager
+def opened(spec: Spec, points: list[Point]) -> Iterator[Index]:
+    """The sweep directory, locked against a second sweep, and its index in step with
+    ``points`` (a point whose config changed under its name is refused)."""
+    sweep_dir = spec.out.resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     try:
         lock = DirLock(sweep_dir, what="`fedemu sweep`")
@@ -82,8 +93,7 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
         index.check_compatible(points)
         index.sync(spec, points)
         (sweep_dir / "sweep.toml").write_text(spec.text)
-        _recover(index, sweep_dir, spec.target, echo)
-        return _run(spec, points, index, sweep_dir, layout, echo, stop or threading.Event())
+        yield index
     finally:
         index.close()
         lock.close()
@@ -93,6 +103,9 @@ def _recover(index: Index, sweep_dir: Path, target: float, echo) -> None:
     """Rows left "running" by a sweep that was killed: adopt a run that finished on
     its own since; refuse while its processes still run; otherwise retry it."""
     for row in index.rows().values():
+        if row["status"] in ("queued", "running") and row["slurm_job"]:
+            raise SweepError(f"point {row['id']} was submitted to Slurm (array task {row['slurm_job']}) and is not "
+                             "collected yet; run `fedemu sweep --slurm` on this sweep to collect or re-submit it")
         if row["status"] != "running":
             continue
         run_dir = sweep_dir / row["run_dir"]

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .lifecycle import DirectoryInUse, DirLock
-from .sweep import _read_summary, new_attempt
-from .sweep_index import DB_FILE, Index, now, summary_fields
+from .sweep import _read_summary, new_attempt, opened
+from .sweep_index import Index, now, summary_fields
 from .sweep_spec import Spec, SweepError, expand
 
 POLL_S = 5.0  # how often --wait asks squeue; a point takes minutes
@@ -47,16 +46,7 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
         echo(f"{len(points)} points; would submit a job array into {sweep_dir}, each task: "
              + " ".join(map(shlex.quote, [*resources, *sbatch_args])))
         return {"points": len(points)}
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = DirLock(sweep_dir, what="`fedemu sweep`")
-    except DirectoryInUse as exc:
-        raise SweepError(str(exc)) from None
-    index = Index(sweep_dir / DB_FILE)
-    try:
-        index.check_compatible(points)
-        index.sync(spec, points)
-        (sweep_dir / "sweep.toml").write_text(spec.text)
+    with opened(spec, points) as index:
         collect(index, sweep_dir, spec.target, echo)
         rows = index.rows()
         waiting = {pid for pid, row in rows.items() if row["status"] in ("queued", "running")}
@@ -64,7 +54,7 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
         done = len(points) - len(todo) - len(waiting)
         echo(f"{len(points)} points: {done} completed, {len(waiting)} still in Slurm, {len(todo)} to submit")
         if todo:
-            job = _submit(todo, rows, index, sweep_dir, spec, [*resources, *sbatch_args], echo)
+            job = _submit(todo, rows, index, sweep_dir, spec, [*resources, *sbatch_args])
             echo(f"submitted job array {job} ({len(todo)} task(s)); output in {sweep_dir / 'slurm'}")
         if wait:
             _follow(index, sweep_dir, spec.target, echo)
@@ -72,12 +62,9 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
             echo("run the same command again to collect finished points and re-submit failed ones "
                  "(or add --wait to follow the array)")
         return index.counts()
-    finally:
-        index.close()
-        lock.close()
 
 
-def _submit(todo, rows: dict, index: Index, sweep_dir: Path, spec: Spec, options: list[str], echo) -> str:
+def _submit(todo, rows: dict, index: Index, sweep_dir: Path, spec: Spec, options: list[str]) -> str:
     submits = sweep_dir / "slurm"
     submits.mkdir(exist_ok=True)
     number = 1 + max([int(d.name.split("-")[1]) for d in submits.glob("submit-*") if d.name.split("-")[1].isdigit()]

@@ -240,6 +240,9 @@ def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(clust
     job = (out / "slurm" / "submit-1" / "job").read_text().strip()
     # parallel = 1: the second point waits behind the first; cancel it before it starts.
     assert cluster.slurm("scancel", f"{job}_1").returncode == 0
+    # A local sweep must not run points that Slurm may still be running.
+    local = subprocess.run(fedemu[:-1], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert local.returncode != 0 and "was submitted to Slurm (array task" in local.stderr
     second = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=600,
                             stdin=subprocess.DEVNULL)
     assert second.returncode == 0, second.stdout + second.stderr

@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .testhosts import _run
+
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 COMMANDS = ("srun", "sbatch", "squeue", "scancel", "scontrol", "sinfo", "nsenter", "unshare")
 
@@ -34,13 +36,6 @@ def unavailable_reason() -> str | None:
         return ("needs Slurm and munge (apt-get install slurmctld slurmd slurm-client munge): missing "
                 + ", ".join(missing))
     return None
-
-
-def _run(*argv: str) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
-    return done.stdout
 
 
 def _free_port() -> int:
