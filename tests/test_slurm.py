@@ -185,6 +185,19 @@ def test_a_run_in_an_sbatch_job_puts_a_worker_node_on_each_task_and_ends_as_a_lo
 
 
 @needs_cluster
+def test_under_salloc_the_broker_and_server_stay_on_the_submitting_host(cluster, tmp_path, local_weights):
+    run_dir = tmp_path / "run"
+    done = cluster.slurm("salloc", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-m", "fedemu.launch",
+                         "launch", "--slurm", *JOB, "--out", str(run_dir), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    placement = json.loads((run_dir / "machines.json").read_text())
+    # This process's host (the bridge's side) is where the nodes reach the broker.
+    assert {h["address"] for h in placement["hosts"]} == {cluster.controller}
+    assert [h["host"] for h in placement["hosts"]] == cluster.names
+    assert json.loads((run_dir / "summary.json").read_text())["weights_sha256"] == local_weights
+
+
+@needs_cluster
 def test_a_preflight_problem_on_the_nodes_stops_the_run_before_it_starts_and_names_each_node(cluster, tmp_path):
     run_dir = tmp_path / "run"
     _batch(cluster, tmp_path, [sys.executable, "-m", "fedemu.launch", "launch", "--slurm", *JOB,
