@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -214,7 +215,7 @@ def test_a_preflight_problem_on_the_nodes_stops_the_run_before_it_starts_and_nam
 
 
 @needs_cluster
-def test_scancel_mid_run_stops_every_process_and_the_run_directory_says_so(cluster, tmp_path):
+def test_a_worker_node_killed_mid_run_is_down_and_scancel_stops_every_process_and_the_run_says_so(cluster, tmp_path):
     run_dir = tmp_path / "run"
     job = _batch(cluster, tmp_path, [sys.executable, "-m", "fedemu.launch", "launch", "--slurm", *JOB,
                                      "--set", "run.rounds=500", "--out", str(run_dir)],
@@ -223,8 +224,16 @@ def test_scancel_mid_run_stops_every_process_and_the_run_directory_says_so(clust
     while not [e for e in read_events(run_dir) if e.get("event") == "round"] if run_dir.exists() else True:
         assert time.monotonic() < deadline, f"no round within 240 s: {(tmp_path / 'job.out').read_text()[-2000:]}"
         time.sleep(0.5)
-    worker_pids = [cmd for node in cluster.names for cmd in cluster.processes(node).values() if "node worker" in cmd]
-    assert len(worker_pids) == 2  # one worker node running on each node
+    workers = {node: [pid for pid, cmd in cluster.processes(node).items() if "node worker" in cmd]
+               for node in cluster.names}
+    assert [len(pids) for pids in workers.values()] == [1, 1]  # one worker node running on each node
+    # A node's worker node killed outright: the server sees its clients DOWN, as over SSH.
+    os.kill(workers["n2"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (faults := [e for e in read_events(run_dir) if e.get("event") == "fault"]):
+        assert time.monotonic() < deadline, "no fault event within 60 s of killing a worker node"
+        time.sleep(0.5)
+    assert sorted(e["client"] for e in faults) == [2, 3]  # exactly n2's clients
     assert cluster.slurm("scancel", job).returncode == 0
     cluster.wait_for_end(job, timeout=60)
     summary = json.loads((run_dir / "summary.json").read_text())
