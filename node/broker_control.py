@@ -13,6 +13,7 @@ import time
 
 from . import control, wire
 from .control import QUIET_OPS
+from .holding import clock_identity
 from .wire import Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
@@ -34,8 +35,9 @@ class BrokerControl:
                 "op": "welcome",
                 "heartbeat_interval": self.heartbeat_interval,
                 "heartbeat_timeout": self.heartbeat_timeout,
-                # Echo and this clock: the node's first estimate of its clock offset.
-                "t": body.get("t"), "now": time.monotonic(),
+                # Echo and this clock: the node's first estimate of its clock offset;
+                # the clock's identity: a node on this machine needs no estimate.
+                "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),
                 "clock": "virtual" if self.scheduler is not None else "wall", "time_scale": float(self.time_scale),
             })
             return

@@ -28,7 +28,7 @@ class NodeControl:
             self._broker_clock.sample(body)
             return
         if op == "welcome":
-            self._broker_clock.sample(body)
+            self._broker_clock.welcome(body)
             self._set_clock(body.get("clock", "wall"), body.get("time_scale", 1.0))
             self._welcomed.set()
         elif op == "advance":

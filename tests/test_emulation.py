@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid, Process
+from fedemu.node.holding import BrokerClock, clock_identity
 from fedemu.server.runlog import read_events
 
 from .realprocs import Procs
@@ -215,6 +216,34 @@ def test_set_links_api_changes_a_running_network(procs):
     assert [b for _, b in arrivals] == ["hello"]
     assert arrivals[0][0] - started >= 0.075
     assert stats["dropped"].get("offline") == 1
+
+
+
+def test_a_node_on_the_brokers_machine_reads_its_clock_exactly():
+    # Same kernel, same monotonic clock: no offset estimate (whose error, up to half a
+    # heartbeat round trip, once released a 75 ms message 0.25 ms early on a loaded host).
+    broker_id = clock_identity()
+    assert broker_id is not None
+    here = BrokerClock()
+    here.welcome({"clock_id": broker_id, "t": time.monotonic() - 0.002, "now": time.monotonic() + 5.0})
+    here.sample({"t": time.monotonic() - 0.001, "now": time.monotonic() + 7.0})
+    assert here.shared and here.offset == 0.0
+    # Another machine's broker: estimated from round trips, the shortest recent one winning.
+    away = BrokerClock()
+    t0 = time.monotonic()
+    away.welcome({"clock_id": "another-boot/monotonic 0 0", "t": t0 - 0.004, "now": t0 + 100.0})
+    away.sample({"t": time.monotonic() - 0.0005, "now": time.monotonic() + 100.0})
+    assert not away.shared and away.offset == pytest.approx(100.0, abs=0.003)
+
+
+def test_nodes_on_the_brokers_machine_share_its_clock(procs):
+    broker = start_broker(procs, {})
+    pair = Pair(broker)
+    try:
+        for node in (pair.client_node, pair.server_node):
+            assert node._broker_clock.shared and node._broker_clock.offset == 0.0
+    finally:
+        pair.close()
 
 
 LATENCY_S = 2.0  # one way on client 0's link: in flight long after going offline takes
