@@ -25,10 +25,12 @@ from .lifecycle import raise_on_stop_signals
               help="Submit the points as a Slurm job array (the sweep directory on a shared file system).")
 @click.option("--sbatch-args", default="", metavar="'OPTIONS'",
               help="With --slurm: more sbatch options for every array task, e.g. '--partition=cpu --time=2:00:00'.")
+@click.option("--points-per-task", type=int, default=1, show_default=True,
+              help="With --slurm: points each array task runs, one after another (small points: fewer tasks).")
 @click.option("--wait", is_flag=True, help="With --slurm: follow the job array to its end, collecting results.")
 @ssh_machine_options
 def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_point: int | None, dry_run: bool,
-          slurm: bool, sbatch_args: str, wait: bool, machines) -> None:
+          slurm: bool, sbatch_args: str, points_per_task: int, wait: bool, machines) -> None:
     """Run every point of SWEEP_FILE's grid; rerun to resume (completed points are skipped,
     failed and interrupted ones retried). With --machines every point's worker nodes run
     on the hosts; --parallel N splits the hosts into N groups, one point on each. With
@@ -45,8 +47,10 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
         raise click.ClickException("--parallel must be >= 0 and --workers-per-point >= 1")
     if slurm and machines is not None:
         raise click.UsageError("--slurm runs the points on the cluster's nodes; drop --machines/--hostfile")
-    if not slurm and (sbatch_args or wait):
-        raise click.UsageError("--sbatch-args and --wait go with --slurm")
+    if not slurm and (sbatch_args or wait or points_per_task != 1):
+        raise click.UsageError("--sbatch-args, --points-per-task and --wait go with --slurm")
+    if points_per_task < 1:
+        raise click.ClickException("--points-per-task must be >= 1")
     # SIGTERM and SIGHUP stop the sweep as Ctrl-C does: running points are interrupted and recorded.
     raise_on_stop_signals()
     try:
@@ -57,7 +61,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
             if parallel is not None:
                 spec.parallel = parallel
             counts = run_slurm_sweep(spec, workers_per_point=workers_per_point, sbatch_args=shlex.split(sbatch_args),
-                                     wait=wait, echo=click.echo, dry_run=dry_run)
+                                     points_per_task=points_per_task, wait=wait, echo=click.echo, dry_run=dry_run)
         else:
             counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
                                echo=click.echo, dry_run=dry_run)

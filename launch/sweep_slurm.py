@@ -1,6 +1,7 @@
 """`fedemu sweep SWEEP.toml --slurm`: a sweep as a Slurm job array, one array task per
-grid point still to run, each task a `fedemu launch --slurm` of its point inside the
-task's own allocation (``slurm.SlurmRun``: worker nodes are the task's Slurm tasks).
+grid point still to run (or per batch of them, ``--points-per-task``), each point a
+`fedemu launch --slurm` inside the task's own allocation (``slurm.SlurmRun``: worker
+nodes are the task's Slurm tasks).
 
 The sweep directory must be on a file system every node shares. Only this command
 writes the SQLite index (``sweep.db``): SQLite's locking is not to be trusted on
@@ -12,7 +13,7 @@ sweep retries what is missing.
 
     <sweep>/slurm/submit-N/array.sh     the batch script of the N-th submission
     <sweep>/slurm/submit-N/job          its Slurm job id
-    <sweep>/slurm/submit-N/points/I.json  array task I's point: id, config, run directory
+    <sweep>/slurm/submit-N/points/I.json  array task I's points: id, config, run directory
     <sweep>/slurm/submit-N/I.out        array task I's output (Slurm's --output)
 """
 from __future__ import annotations
@@ -33,9 +34,11 @@ POLL_S = 5.0  # how often --wait asks squeue; a point takes minutes
 
 
 def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_args: list[str] = (),
-                    wait: bool = False, echo: Callable[[str], None] = print, dry_run: bool = False) -> dict:
-    """Submit the points of ``spec`` not completed nor queued as one job array; with
-    ``wait``, follow it to its end. Returns the points' counts by status."""
+                    points_per_task: int = 1, wait: bool = False, echo: Callable[[str], None] = print,
+                    dry_run: bool = False) -> dict:
+    """Submit the points of ``spec`` not completed nor queued as one job array, each
+    task running ``points_per_task`` of them one after another; with ``wait``, follow it
+    to its end. Returns the points' counts by status."""
     points = expand(spec)
     sweep_dir = spec.out.resolve()
     tasks = workers_per_point or spec.workers_per_point or 1
@@ -43,8 +46,8 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
     if dry_run:
         for p in points:
             echo(f"{p.seq:4d}  {p.id}")
-        echo(f"{len(points)} points; would submit a job array into {sweep_dir}, each task: "
-             + " ".join(map(shlex.quote, [*resources, *sbatch_args])))
+        echo(f"{len(points)} points; would submit a job array into {sweep_dir}, {points_per_task} point(s) "
+             "a task, each task: " + " ".join(map(shlex.quote, [*resources, *sbatch_args])))
         return {"points": len(points)}
     with opened(spec, points) as index:
         collect(index, sweep_dir, spec.target, echo)
@@ -54,8 +57,8 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
         done = len(points) - len(todo) - len(waiting)
         echo(f"{len(points)} points: {done} completed, {len(waiting)} still in Slurm, {len(todo)} to submit")
         if todo:
-            job = _submit(todo, rows, index, sweep_dir, spec, [*resources, *sbatch_args])
-            echo(f"submitted job array {job} ({len(todo)} task(s)); output in {sweep_dir / 'slurm'}")
+            job, tasks = _submit(todo, rows, index, sweep_dir, spec, [*resources, *sbatch_args], points_per_task)
+            echo(f"submitted job array {job} ({tasks} task(s)); output in {sweep_dir / 'slurm'}")
         if wait:
             _follow(index, sweep_dir, spec.target, echo)
         elif todo or waiting:
@@ -64,25 +67,32 @@ def run_slurm_sweep(spec: Spec, *, workers_per_point: int | None = None, sbatch_
         return index.counts()
 
 
-def _submit(todo, rows: dict, index: Index, sweep_dir: Path, spec: Spec, options: list[str]) -> str:
+def _submit(todo, rows: dict, index: Index, sweep_dir: Path, spec: Spec, options: list[str],
+            points_per_task: int) -> tuple[str, int]:
+    """One job array for ``todo``, in batches of ``points_per_task`` (in sweep order);
+    returns the job id and the number of array tasks."""
     submits = sweep_dir / "slurm"
     submits.mkdir(exist_ok=True)
     number = 1 + max([int(d.name.split("-")[1]) for d in submits.glob("submit-*") if d.name.split("-")[1].isdigit()]
                      or [0])
     folder = submits / f"submit-{number}"
     (folder / "points").mkdir(parents=True)
-    attempts = {}
-    for i, p in enumerate(todo):
-        run_dir, attempts[p.id] = new_attempt(sweep_dir, p.id, rows[p.id])
-        config = json.loads(json.dumps(p.config))
-        config["run"]["workers"] = 0  # the array task's Slurm tasks are its worker nodes
-        (folder / "points" / f"{i}.json").write_text(json.dumps({"id": p.id, "config": config,
-                                                                  "run_dir": str(run_dir)}))
+    attempts, task_of = {}, {}
+    batches = [todo[i:i + points_per_task] for i in range(0, len(todo), points_per_task)]
+    for task, batch in enumerate(batches):
+        entries = []
+        for p in batch:
+            run_dir, attempts[p.id] = new_attempt(sweep_dir, p.id, rows[p.id])
+            config = json.loads(json.dumps(p.config))
+            config["run"]["workers"] = 0  # the array task's Slurm tasks are its worker nodes
+            entries.append({"id": p.id, "config": config, "run_dir": str(run_dir)})
+            task_of[p.id] = task
+        (folder / "points" / f"{task}.json").write_text(json.dumps(entries))
     script = folder / "array.sh"
-    script.write_text("#!/bin/sh\n# One point of a fedemu sweep per array task (written by `fedemu sweep --slurm`).\n"
+    script.write_text("#!/bin/sh\n# Points of a fedemu sweep, a batch per array task (written by `fedemu sweep --slurm`).\n"
                       f"exec {shlex.quote(sys.executable)} -m fedemu.launch sweep-task {shlex.quote(str(folder))}\n")
     throttle = f"%{spec.parallel}" if spec.parallel else ""
-    argv = ["sbatch", "--parsable", f"--array=0-{len(todo) - 1}{throttle}", f"--job-name=fedemu-{spec.name}",
+    argv = ["sbatch", "--parsable", f"--array=0-{len(batches) - 1}{throttle}", f"--job-name=fedemu-{spec.name}",
             f"--output={folder}/%a.out", *options, str(script)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
@@ -93,10 +103,10 @@ def _submit(todo, rows: dict, index: Index, sweep_dir: Path, spec: Spec, options
                          f"(command: {shlex.join(argv)})")
     job = done.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"
     (folder / "job").write_text(job + "\n")
-    for i, p in enumerate(todo):
-        index.update(p.id, status="queued", attempts=attempts[p.id], slurm_job=f"{job}_{i}",
+    for p in todo:
+        index.update(p.id, status="queued", attempts=attempts[p.id], slurm_job=f"{job}_{task_of[p.id]}",
                      run_dir=str(Path("runs") / p.id), started_at=None, finished_at=None, reason=None, pids="[]")
-    return job
+    return job, len(batches)
 
 
 def _job_of(folder: Path) -> str | None:
@@ -168,7 +178,10 @@ def _follow(index: Index, sweep_dir: Path, target: float, echo) -> None:
 
 
 def run_task(folder: Path, env: dict | None = None) -> int:
-    """One array task: its point, as `fedemu launch --slurm` inside this task's allocation."""
+    """One array task: its batch of points, one after another, each as `fedemu launch
+    --slurm` inside this task's allocation. Stopped (scancel, the time limit), it
+    interrupts the running point and starts no other; the next `fedemu sweep --slurm`
+    re-submits what is left."""
     import os
     import signal
     import threading
@@ -181,12 +194,17 @@ def run_task(folder: Path, env: dict | None = None) -> int:
     if task is None:
         print("sweep-task runs as a Slurm array task (SLURM_ARRAY_TASK_ID is not set)", file=sys.stderr)
         return 2
-    point = json.loads((folder / "points" / f"{task}.json").read_text())
+    batch = json.loads((folder / "points" / f"{task}.json").read_text())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # scancel, a time limit: the point stops in order
         signal.signal(sig, lambda *_: stop.set())
-    print(f"point {point['id']} into {point['run_dir']}", flush=True)
-    summary = run_point(point["config"], Path(point["run_dir"]), workers=None, stop=stop,
-                        machines=Allocation.from_env())
-    print(f"point {point['id']}: {summary.get('status')} ({summary.get('reason')})", flush=True)
-    return 0 if summary.get("status") == "completed" else 1
+    completed = 0
+    for point in batch:
+        if stop.is_set():
+            break
+        print(f"point {point['id']} into {point['run_dir']}", flush=True)
+        summary = run_point(point["config"], Path(point["run_dir"]), workers=None, stop=stop,
+                            machines=Allocation.from_env())
+        print(f"point {point['id']}: {summary.get('status')} ({summary.get('reason')})", flush=True)
+        completed += summary.get("status") == "completed"
+    return 0 if completed == len(batch) else 1

@@ -86,7 +86,7 @@ def test_an_allocation_whose_task_counts_and_nodes_disagree_is_refused():
 
 def test_sweep_slurm_options_go_together():
     result = CliRunner().invoke(main, ["sweep", "x.toml", "--wait"])
-    assert result.exit_code != 0 and "--sbatch-args and --wait go with --slurm" in result.output
+    assert result.exit_code != 0 and "--sbatch-args, --points-per-task and --wait go with --slurm" in result.output
 
 
 # --- on a real cluster ---------------------------------------------------------------
@@ -252,32 +252,36 @@ def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(clust
     sweep_file.write_text('[sweep]\nname = "seeds"\nparallel = 1\n'
                           '[base.run]\nrounds = 1\ntarget_accuracy = 0.0\n'
                           '[base.data]\nclients = 4\n[base.algorithm]\nC = 0.5\n'
-                          '[axes]\n"run.seed" = [1, 2]\n')
+                          '[axes]\n"run.seed" = [1, 2, 3]\n')
     out = tmp_path / "sweep"
-    fedemu = [sys.executable, "-m", "fedemu.launch", "sweep", str(sweep_file), "--out", str(out), "--slurm"]
+    fedemu = [sys.executable, "-m", "fedemu.launch", "sweep", str(sweep_file), "--out", str(out), "--slurm",
+              "--points-per-task", "2"]
     first = subprocess.run(fedemu, capture_output=True, text=True, env=cluster.env(), timeout=120,
                            stdin=subprocess.DEVNULL)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "2 to submit" in first.stdout
+    assert "3 to submit" in first.stdout and "(2 task(s))" in first.stdout  # seeds 1 and 2, then seed 3
     job = (out / "slurm" / "submit-1" / "job").read_text().strip()
-    # parallel = 1: the second point waits behind the first; cancel it before it starts.
+    # parallel = 1: the second task waits behind the first; cancel it before it starts.
     assert cluster.slurm("scancel", f"{job}_1").returncode == 0
     # A local sweep must not run points that Slurm may still be running.
-    local = subprocess.run(fedemu[:-1], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    local = subprocess.run(fedemu[:-3], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert local.returncode != 0 and "was submitted to Slurm (array task" in local.stderr
     second = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=600,
                             stdin=subprocess.DEVNULL)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "FAILED seed=2: array task" in second.stdout  # the cancelled task, found and re-submitted
+    assert "FAILED seed=3: array task" in second.stdout  # the cancelled task, found and re-submitted
     assert "1 to submit" in second.stdout
     assert sorted(p.name for p in (out / "slurm" / "submit-2" / "points").iterdir()) == ["0.json"]
-    assert "sweep: 2 completed" in second.stdout
+    assert [p["id"] for p in json.loads((out / "slurm" / "submit-2" / "points" / "0.json").read_text())] == ["seed=3"]
+    assert "sweep: 3 completed" in second.stdout
     import sqlite3
 
     rows = sqlite3.connect(out / DB_FILE).execute(
         "SELECT id, status, slurm_job, attempts, weights_sha256 FROM points ORDER BY seq").fetchall()
-    assert [(r[0], r[1], r[3]) for r in rows] == [("seed=1", "completed", 1), ("seed=2", "completed", 2)]
-    assert rows[1][2].split("_")[0] != job  # seed=2 ran in the second array
+    assert [(r[0], r[1], r[3]) for r in rows] == [("seed=1", "completed", 1), ("seed=2", "completed", 1),
+                                                  ("seed=3", "completed", 2)]
+    assert [r[2] for r in rows[:2]] == [f"{job}_0"] * 2  # one task ran seeds 1 and 2
+    assert rows[2][2].split("_")[0] != job  # seed=3 ran in the second array
     # Placement independence: the array task's run has the local run's weights.
     assert rows[0][4] == local_weights  # seed=1 is JOB's (the default seed)
     third = subprocess.run([*fedemu, "--wait"], capture_output=True, text=True, env=cluster.env(), timeout=120,
@@ -286,4 +290,4 @@ def test_a_sweep_as_a_job_array_resubmits_only_what_is_missing_and_reports(clust
     report = subprocess.run([sys.executable, "-m", "fedemu.launch", "report", str(out)], capture_output=True,
                             text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert report.returncode == 0, report.stderr
-    assert "2 points (2 completed)" in (out / "report" / "report.md").read_text()
+    assert "3 points (3 completed)" in (out / "report" / "report.md").read_text()
