@@ -30,13 +30,13 @@ class NotInAllocation(LaunchError):
     """``--slurm`` outside a Slurm allocation, or an allocation fedemu cannot read."""
 
 
-def tasks_per_node(text: str) -> list[int]:
-    """Slurm's compressed task counts, ``2(x3),1`` -> [2, 2, 2, 1]."""
+def tasks_per_node(text: str, variable: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Slurm's compressed per-node counts (tasks, or CPUs), ``2(x3),1`` -> [2, 2, 2, 1]."""
     counts = []
     for part in text.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not m:
-            raise NotInAllocation(f"cannot read SLURM_TASKS_PER_NODE={text!r} (expected e.g. 2(x3),1)")
+            raise NotInAllocation(f"cannot read {variable}={text!r} (expected e.g. 2(x3),1)")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     return counts
 
@@ -87,6 +87,11 @@ class Allocation(Machines):
     worker node slots."""
 
     job_id: str = ""
+    # CPUs each worker node's task gets: --cpus-per-task if the job asked for it (srun
+    # inherits it), else the node's CPUs shared out over its tasks (a whole-node
+    # allocation, --exclusive or select/linear, would otherwise bind each task to one).
+    cpus_per_worker: int = 1
+    cpus_per_task_given: bool = False
 
     @classmethod
     def from_env(cls, env: dict | None = None, **options) -> "Allocation":
@@ -104,7 +109,14 @@ class Allocation(Machines):
             raise NotInAllocation(f"SLURM_TASKS_PER_NODE={env.get('SLURM_TASKS_PER_NODE')!r} does not match "
                                   f"the {len(nodes)} node(s) of SLURM_JOB_NODELIST")
         hosts = [Host(name, slots=n) for name, n in zip(nodes, counts)]
-        return cls(hosts=hosts, job_id=job_id, **options)
+        given = env.get("SLURM_CPUS_PER_TASK")
+        if given:
+            cpus = int(given)
+        else:
+            per_node = tasks_per_node(env["SLURM_JOB_CPUS_PER_NODE"], "SLURM_JOB_CPUS_PER_NODE") if env.get("SLURM_JOB_CPUS_PER_NODE") else []
+            cpus = min((c // n for c, n in zip(per_node, counts)), default=1) if len(per_node) == len(nodes) else 1
+        return cls(hosts=hosts, job_id=job_id, cpus_per_worker=max(1, cpus), cpus_per_task_given=bool(given),
+                   **options)
 
     def step_env(self, hostfile: Path | None = None) -> dict:
         env = dict(os.environ)
@@ -117,7 +129,8 @@ class SlurmRun(MachinesRun):
     machines: Allocation
 
     def placement_source(self) -> dict:
-        return {"launcher": "slurm", "slurm_job": self.machines.job_id}
+        return {"launcher": "slurm", "slurm_job": self.machines.job_id,
+                "cpus_per_worker": self.machines.cpus_per_worker}
 
     def preflight(self, broker_port: int) -> dict[Host, dict]:
         """One srun step, a task on every node: each prints its preflight report, and
@@ -174,7 +187,8 @@ class SlurmRun(MachinesRun):
         if len(addresses) != 1:  # one step, one bundle: every node must reach the broker at one address
             raise LaunchError(f"the nodes reach the broker at different addresses ({', '.join(sorted(addresses))}); "
                               "give one with --advertise")
-        argv = ["srun", f"--ntasks={len(order)}", f"--nodes={len(assignment)}",
+        cpus = [] if self.machines.cpus_per_task_given else [f"--cpus-per-task={self.machines.cpus_per_worker}"]
+        argv = ["srun", f"--ntasks={len(order)}", f"--nodes={len(assignment)}", *cpus,
                 "--distribution=arbitrary", "--input=all", "--kill-on-bad-exit=0", "--job-name=fedemu-workers",
                 sys_python(self.machines), "-m", "fedemu.launch", "host-agent", "--slurm-task"]
         step = RemoteHost(Host(f"slurm-job-{self.machines.job_id}"), self.run_dir, self.echo, via="srun")

@@ -81,7 +81,19 @@ def test_an_allocation_whose_task_counts_and_nodes_disagree_is_refused():
     assert [(h.name, h.slots) for h in allocation.hosts] == [("n1", 3), ("n2", 1)]
     # Without task counts (sbatch -N2 alone) each node runs one worker node.
     bare = Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
-    assert [h.slots for h in bare.hosts] == [1, 1]
+    assert [h.slots for h in bare.hosts] == [1, 1] and bare.cpus_per_worker == 1
+
+
+def test_worker_nodes_get_the_cpus_slurm_gave_their_tasks_or_their_nodes_share():
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "4,2"}
+    # Whole nodes (--exclusive, select/linear): each node's CPUs over its tasks, the
+    # smaller share for all (srun takes one --cpus-per-task).
+    shared = Allocation.from_env({**job, "SLURM_JOB_CPUS_PER_NODE": "8(x2)"})
+    assert shared.cpus_per_worker == 2 and not shared.cpus_per_task_given
+    asked = Allocation.from_env({**job, "SLURM_JOB_CPUS_PER_NODE": "8(x2)", "SLURM_CPUS_PER_TASK": "3"})
+    assert asked.cpus_per_worker == 3 and asked.cpus_per_task_given  # srun inherits it
+    with pytest.raises(NotInAllocation, match="SLURM_JOB_CPUS_PER_NODE='8x2'"):
+        Allocation.from_env({**job, "SLURM_JOB_CPUS_PER_NODE": "8x2"})
 
 
 def test_sweep_slurm_options_go_together():
@@ -217,9 +229,10 @@ def test_a_preflight_problem_on_the_nodes_stops_the_run_before_it_starts_and_nam
 @needs_cluster
 def test_a_worker_node_killed_mid_run_is_down_and_scancel_stops_every_process_and_the_run_says_so(cluster, tmp_path):
     run_dir = tmp_path / "run"
+    # --exclusive: whole nodes (2 CPUs each), so each worker node's task is bound to both.
     job = _batch(cluster, tmp_path, [sys.executable, "-m", "fedemu.launch", "launch", "--slurm", *JOB,
                                      "--set", "run.rounds=500", "--out", str(run_dir)],
-                 "--nodes=2", "--ntasks-per-node=1", wait=False)
+                 "--nodes=2", "--ntasks-per-node=1", "--exclusive", wait=False)
     deadline = time.monotonic() + 240
     while not [e for e in read_events(run_dir) if e.get("event") == "round"] if run_dir.exists() else True:
         assert time.monotonic() < deadline, f"no round within 240 s: {(tmp_path / 'job.out').read_text()[-2000:]}"
@@ -227,6 +240,9 @@ def test_a_worker_node_killed_mid_run_is_down_and_scancel_stops_every_process_an
     workers = {node: [pid for pid, cmd in cluster.processes(node).items() if "node worker" in cmd]
                for node in cluster.names}
     assert [len(pids) for pids in workers.values()] == [1, 1]  # one worker node running on each node
+    assert json.loads((run_dir / "machines.json").read_text())["cpus_per_worker"] == cluster.cpus
+    for pids in workers.values():
+        assert len(os.sched_getaffinity(pids[0])) == cluster.cpus
     # A node's worker node killed outright: the server sees its clients DOWN, as over SSH.
     os.kill(workers["n2"][0], signal.SIGKILL)
     deadline = time.monotonic() + 60
