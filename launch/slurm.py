@@ -113,7 +113,8 @@ class Allocation(Machines):
         if given:
             cpus = int(given)
         else:
-            per_node = tasks_per_node(env["SLURM_JOB_CPUS_PER_NODE"], "SLURM_JOB_CPUS_PER_NODE") if env.get("SLURM_JOB_CPUS_PER_NODE") else []
+            cpus_text = env.get("SLURM_JOB_CPUS_PER_NODE")
+            per_node = tasks_per_node(cpus_text, "SLURM_JOB_CPUS_PER_NODE") if cpus_text else []
             cpus = min((c // n for c, n in zip(per_node, counts)), default=1) if len(per_node) == len(nodes) else 1
         return cls(hosts=hosts, job_id=job_id, cpus_per_worker=max(1, cpus), cpus_per_task_given=bool(given),
                    **options)
