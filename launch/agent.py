@@ -75,7 +75,7 @@ def _reachable(address: str, port: int, timeout: float = 5.0) -> str | None:
 
 
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
-              model: str | None = None, slurm_task: bool = False) -> dict:
+              model: str | None = None, slurm_task: bool = False, device: str | None = None) -> dict:
     report: dict = {"fedemu": fedemu_version(), "code": code_digest(), "python": sys.version.split()[0],
                     "executable": sys.executable, "cores": usable_cores(), "problems": []}
     if slurm_task:  # one report per node of the step: say which
@@ -88,7 +88,13 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         report["torch"] = torch.__version__
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
-    from fedemu.worker.ml import data, datasets, models
+    from fedemu.worker.ml import data, datasets, devices, models
+
+    if device is not None:  # the worker nodes here train on it
+        try:
+            report["device"] = devices.use_device(devices.torch_device(device))
+        except devices.DeviceUnavailable as exc:
+            report["problems"].append(str(exc))
 
     # Worker nodes load the data set and build the model: a plug-in must import here too.
     try:

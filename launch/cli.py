@@ -208,12 +208,13 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
 @click.option("--broker-address")
 @click.option("--model", help="model.name: this host must be able to build it (a plug-in must be importable).")
 @click.option("--slurm-task", is_flag=True, help="Run as a task of a Slurm step (`fedemu launch --slurm`).")
+@click.option("--device", help="run.device: this host must have it (a GPU it names).")
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
-              model: str | None, slurm_task: bool) -> None:
+              model: str | None, slurm_task: bool, device: str | None) -> None:
     """Check this host for a multi-machine run; print one JSON line (run over SSH or srun)."""
     from .agent import preflight as check_host
 
-    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model, slurm_task)))
+    click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model, slurm_task, device)))
 
 
 @main.command("host-agent", hidden=True)

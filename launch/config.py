@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from fedemu.node.schema import Key, fraction, non_negative, positive, unit_interval
+
+
+def is_device_setting(value: str) -> bool:
+    """run.device's form (what this host has is checked where it runs: devices.torch_device)."""
+    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is not None
 
 
 class ConfigError(ValueError):
@@ -44,6 +50,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "compute": Key(str, "virtual clock: what a client's local work costs: 'model' (training FLOPs / "
                        "device_flops x straggler factor: reproducible) or 'measured' (the training thread's CPU "
                        "time x straggler factor: not reproducible)", choices=("model", "measured")),
+        "device": Key(str, "where clients train (and the server evaluates): 'auto' (a node's first CUDA GPU where "
+                      "its host has one, else the CPU), 'cpu', 'cuda' or 'cuda:N' (a host without it refuses to "
+                      "start); a GPU's weights differ from a CPU's in the last bits", check=is_device_setting,
+                      rule="'auto', 'cpu', 'cuda' or 'cuda:N'"),
         "device_flops": Key(float, "virtual clock, compute = 'model': the emulated device's training speed in "
                             "FLOP/s (a straggler with factor f runs at device_flops / f)", check=positive, rule="> 0"),
         "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster", check=positive, rule="> 0"),

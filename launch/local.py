@@ -49,10 +49,23 @@ class LocalRun:
 
     def start(self) -> None:
         self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
+        self._check_device()
         endpoint = self._start_broker("tcp://127.0.0.1:0")
         self._start_server(endpoint)
         for i in range(self.workers):
             self._start(f"worker-{i}", "node", "worker", "--index", str(i), *self._node_args(endpoint))
+
+    def _check_device(self) -> None:
+        """A GPU in run.device that this machine lacks stops the run before anything starts
+        (worker hosts of --machines and --slurm are checked by their preflight)."""
+        if self.config["run"]["device"] in ("auto", "cpu"):
+            return  # always available: spare the launcher torch's import
+        from fedemu.worker.ml.devices import DeviceUnavailable, torch_device
+
+        try:
+            torch_device(self.config["run"]["device"])
+        except DeviceUnavailable as exc:
+            raise LaunchError(f"{exc}; nothing was started") from None
 
     def _network_by_machine(self, clients_of: dict[str, range]) -> list[tuple[str, frozenset[int]]]:
         """network.assign with its ``machine`` entries resolved to the clients each host

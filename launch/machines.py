@@ -68,12 +68,14 @@ def _json_line(text: str) -> dict | None:
 
 
 def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str, broker_port: int,
-                   model: str | None = None) -> dict:
+                   model: str | None = None, device: str | None = None) -> dict:
     """Run the preflight on ``host``; returns its report with ``problems`` filled in."""
     python = machines.python_for(host)
     remote = [python, "-m", "fedemu.launch", "preflight", "--dataset", dataset, "--broker-port", str(broker_port)]
     if model:
         remote += ["--model", model]
+    if device:
+        remote += ["--device", device]
     if cache_dir:
         remote += ["--cache-dir", cache_dir]
     if machines.advertise:
@@ -240,7 +242,8 @@ class MachinesRun(LocalRun):
             "hosts": [{"host": str(h), "address": reports[h]["broker_address"], "workers": indices,
                        "clients": [clients[indices[0]].start, clients[indices[-1]].stop - 1],
                        "fedemu": reports[h]["fedemu"], "torch": reports[h].get("torch"),
-                       "python": reports[h]["python"]} for h, indices in assignment.items()],
+                       "python": reports[h]["python"], "device": reports[h].get("device")}
+                      for h, indices in assignment.items()],
         }
         by_machine = self._network_by_machine(
             {str(h): range(clients[ix[0]].start, clients[ix[-1]].stop) for h, ix in assignment.items()})
@@ -295,7 +298,8 @@ class MachinesRun(LocalRun):
         self.echo(f"preflight on {len(hosts)} host(s) ...")
         with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
             futures = {h: pool.submit(preflight_host, self.machines, h, data["dataset"], data["cache_dir"],
-                                      broker_port, self.config["model"]["name"]) for h in hosts}
+                                      broker_port, self.config["model"]["name"], self.config["run"]["device"])
+                       for h in hosts}
             reports = {h: f.result() for h, f in futures.items()}
         failures = [f"  {h}: {problem}" for h, r in reports.items() for problem in r["problems"]]
         if failures:

@@ -102,6 +102,23 @@ def _set_torch_threads(config: dict, workers: int) -> None:
     torch.set_num_interop_threads(1)
 
 
+def _device(config: dict, node: str, server: bool = False):
+    """The torch device run.device names on this host, prepared (devices.use_device). The
+    server only evaluates: on a host without the GPU the workers train on (a laptop
+    launching onto GPU hosts), it evaluates on the CPU and says so."""
+    from fedemu.worker.ml import devices
+
+    try:
+        device = devices.torch_device(config["run"]["device"])
+    except devices.DeviceUnavailable as exc:
+        if not server:
+            raise
+        log.warning("the server evaluates on the CPU: %s", exc)
+        device = devices.torch_device("cpu")
+    log.info("%s computes on %s", node, devices.use_device(device))
+    return device
+
+
 def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import algorithm
@@ -115,6 +132,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     config = read_config(run_dir)
     run, algo = config["run"], config["algorithm"]
     _set_torch_threads(config, 1)
+    device = _device(config, "the server", server=True)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
     run_data, _ = split.run_data(data_spec(config), shares=False)
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
@@ -128,7 +146,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
         on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"], merge_s=algo["merge_s"],
-        client_log=run["client_log"],
+        client_log=run["client_log"], device=str(device),
     )
     runlog = RunLog(run_dir)
     model = model_spec(config)
@@ -137,7 +155,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
                              lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
     else:
         engine = RoundEngine(settings, rule, model, run_data, runlog)
-    warm_up(run_data, np.arange(min(10, len(run_data.train_y))), model)  # round 1's evaluation is not a cold start
+    warm_up(run_data, np.arange(min(10, len(run_data.train_y))), model, device)  # round 1's evaluation is not a cold start
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)
         runlog.event("machines", **json.loads(machines.read_text()))
@@ -186,6 +204,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     _, stragglers = network_parts(config)
     data_cfg = config["data"]
     _set_torch_threads(config, workers)
+    device = _device(config, f"worker-{index}")
     run_data, shards = split.run_data(data_spec(config))
     node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])
     for sig in STOP_SIGNALS:
@@ -196,6 +215,6 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
                  model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
                  stragglers=stragglers, compute=compute_model(config),
-                 restarts=config["run"]["restart_clients"])
+                 restarts=config["run"]["restart_clients"], device=device)
     node.wait()
     return 0

@@ -77,6 +77,7 @@ class Settings:
     retry_s: float = 120.0  # asynchronous rules: emulated seconds without a reply before a resend
     merge_s: float = 0.0  # asynchronous rules: emulated seconds the server takes per fetch or upload (a queue)
     client_log: str = "auto"  # per-client detail: "events", "csv", or "auto" (see CLIENT_LOGS)
+    device: str = "cpu"  # the torch device the server evaluates on (run.device as this host resolved it)
 
     @property
     def per_round(self) -> int:
@@ -100,7 +101,7 @@ class Engine:
 
     def __init__(self, settings: Settings, model: ModelSpec, data: Data, runlog: RunLog):
         self.settings = settings
-        self.model = model.build(seed=settings.seed)  # the global model's initial weights
+        self.model = model.build(seed=settings.seed, device=settings.device)  # the global model's initial weights
         self.weights = models.get_flat(self.model)
         self.codec = (make_codec(settings.compression, parameter_shapes(self.model))
                       if settings.compression else None)

@@ -22,6 +22,12 @@ from fedemu.server.runlog import read_events
 
 from .testhosts import TestHosts, unavailable_reason
 
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
 # --- host lists (no hosts needed) ------------------------------------------------------
 
 
@@ -152,6 +158,7 @@ def test_clients_spread_over_hosts_train_like_a_local_run(hosts, tmp_path):
     assert [h["workers"] for h in placed["hosts"]] == [[0], [1]]
     assert [h["clients"] for h in placed["hosts"]] == [[0, 49], [50, 99]]
     assert {h["address"] for h in placed["hosts"]} == {f"10.{hosts.subnet}.{i}.1" for i in (1, 2)}
+    assert [h["device"] for h in placed["hosts"]] == ["cpu", "cpu"]  # run.device = "auto" on hosts without a GPU
     # The worker nodes ran on the hosts, and their logs came back.
     for i in (0, 1):
         log = (tmp_path / "spread" / "logs" / f"worker-{i}.out").read_text()
@@ -243,6 +250,20 @@ def test_preflight_names_the_host_and_problem_and_starts_nothing(hosts, tmp_path
     assert "preflight failed" in done.stderr
     assert "h2: /nonexistent/bin/python3 not found" in done.stderr
     assert "h1:" not in done.stderr  # the good host is not blamed
+    assert not local_processes_of(tmp_path / "run")
+    assert_hosts_left_clean(hosts)
+
+
+@needs_hosts
+@pytest.mark.skipif(torch_has_cuda(), reason="checks hosts without a CUDA GPU; this machine has one")
+def test_a_gpu_the_hosts_lack_fails_the_preflight_on_each_host(hosts, tmp_path):
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "run"), "--machines", "h1,h2",
+            "--ssh-config", str(hosts.ssh_config), "--set", "run.device=cuda:0"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "preflight failed" in done.stderr
+    for host in ("h1", "h2"):
+        assert f"{host}: run.device = 'cuda:0'" in done.stderr
     assert not local_processes_of(tmp_path / "run")
     assert_hosts_left_clean(hosts)
 

@@ -61,12 +61,16 @@ def client_generator(seed: int, round_: int, client: int) -> torch.Generator:
 
 
 class _ModelCache(threading.local):
-    """One model instance per pool thread: weights are loaded into it per request."""
+    """One model instance per pool thread, on the node's device: weights are loaded into it
+    per request."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = device
 
     def get(self, spec: ModelSpec) -> torch.nn.Module:
         built = self.__dict__.setdefault("models", {})
         if spec not in built:
-            built[spec] = spec.build()
+            built[spec] = spec.build(device=self.device)
         return built[spec]
 
 
@@ -83,7 +87,7 @@ class Client(Behaviour):
         self.data = data
         self.model = model
         self._cache = cache
-        self._anchors = anchors or _ModelCache()  # FSVRG holds w_t fixed beside the model it updates
+        self._anchors = anchors or _ModelCache(cache.device)  # FSVRG holds w_t fixed beside the model it updates
         self.stragglers = stragglers
         self.compute = compute  # what local work costs in emulated time (devices.py)
         self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
@@ -246,6 +250,8 @@ class Client(Behaviour):
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
         examples = len(self.indices) * (request.epochs if request.task == TRAIN else 1)
         measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
+        if self._cache.device.type != "cpu":
+            cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
         compute_s, hold = self.compute.times(self.model, request.task, examples, slowdown, measured_s, cpu_s)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=update,
@@ -414,11 +420,13 @@ class Client(Behaviour):
             self._request(proc, self._upload(self._cache.get(self.model), compute_s=0.0))
 
 
-def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec) -> float:
-    """Pay torch's one-time start-up costs (seconds on the first step) before the
-    node reports ready, so they do not land inside round 1's deadline."""
+def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec,
+            device: torch.device = torch.device("cpu")) -> float:
+    """Pay torch's one-time start-up costs (seconds on the first step; more for a GPU's
+    context and kernels) before the node reports ready, so they do not land inside
+    round 1's deadline."""
     started = time.perf_counter()  # wall: how long the warm-up took, for the log
-    model = model_spec.build()
+    model = model_spec.build(device=device)
     sample = np.asarray(indices)[:10]
     training.client_update(model, data.train_x[sample], data.train_y[sample], epochs=1, batch_size=10, lr=0.0,
                            generator=torch.Generator().manual_seed(0), dataset=data.dataset)
@@ -437,14 +445,16 @@ def host_clients(
     stragglers: StragglerSpec = StragglerSpec(),
     compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
+    device: torch.device = torch.device("cpu"),
 ) -> None:
-    """Spawn this node's clients, register their names, and report to the server.
+    """Spawn this node's clients (training on ``device``, shared by all of them), register
+    their names, and report to the server.
     With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
     times per client, and tells the server its new pid."""
     if len(clients):
-        log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model))
+        log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
-    cache, anchors = _ModelCache(), _ModelCache()
+    cache, anchors = _ModelCache(device), _ModelCache(device)
 
     def start_client(k: int) -> Pid:
         return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors))

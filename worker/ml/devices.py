@@ -9,15 +9,19 @@ nothing waits on the host: the work is charged instead.
   convolutions, forward and backward, per example) times the examples processed,
   divided by the device's speed (``run.device_flops``), times the client's straggler
   factor. The same on any host: bit-reproducible.
-* ``compute = "measured"``: the training thread's CPU time, times the straggler factor:
-  the real code's cost, but it varies from run to run and host to host (so runs are
-  not bit-reproducible).
+* ``compute = "measured"``: the training thread's CPU time (on a GPU: the task's time,
+  the device synchronised), times the straggler factor: the real code's cost, but it
+  varies from run to run and host to host (so runs are not bit-reproducible).
+
+Which hardware the real training runs on is ``run.device`` (``torch_device`` below): the
+CPU, or a GPU shared by every client of a node (one CUDA context per node process).
 
 While a client computes, its node is busy and the virtual clock waits; then the
 client's reply is held for the charged duration, as a slower device would hold it.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -118,3 +122,58 @@ class ComputeModel:
             flops = training_flops_per_example(model) * TASK_PASSES[task] * examples
             compute_s = flops / self.device_flops
         return compute_s, slowdown * compute_s
+
+
+# --- the torch device clients train on ------------------------------------------------
+
+
+class DeviceUnavailable(RuntimeError):
+    """``run.device`` names a device this host does not have; the message says which."""
+
+
+def torch_device(setting: str) -> torch.device:
+    """The device ``run.device`` means on this host: ``auto`` is the first CUDA GPU torch
+    sees, else the CPU; ``cuda`` is GPU 0; ``cuda:N`` GPU N. A GPU the host lacks is an
+    error that names it, not a silent fall-back to the CPU."""
+    if setting == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError:
+        raise DeviceUnavailable(f"run.device = {setting!r} is not a device; use 'auto', 'cpu', 'cuda' or "
+                                "'cuda:N'") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise DeviceUnavailable(f"run.device = {setting!r}: fedemu trains on 'cpu' or 'cuda' devices")
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else "torch sees no CUDA GPU (no driver, or CUDA_VISIBLE_DEVICES hides them)")
+        raise DeviceUnavailable(f"run.device = {setting!r}, but {why} on this host; set run.device = 'auto' "
+                                "(the GPU where there is one) or 'cpu'")
+    index = device.index or 0
+    if index >= torch.cuda.device_count():
+        raise DeviceUnavailable(f"run.device = {setting!r}, but this host has {torch.cuda.device_count()} "
+                                f"CUDA GPU(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", index)
+
+
+def use_device(device: torch.device) -> str:
+    """Prepare this process to train on ``device``; returns how the run log names it.
+    On a GPU, kernels are made deterministic where torch can (cuBLAS's fixed workspace,
+    no cuDNN autotuning): reruns on the same GPU, driver and torch repeat; a GPU's
+    numbers differ from a CPU's in the last bits."""
+    if device.type != "cuda":
+        return "cpu"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn, not fail, where an op has no such kernel
+    torch.cuda.set_device(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run behind the Python thread)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

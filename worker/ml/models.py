@@ -162,9 +162,12 @@ class ModelSpec:
     init: str = "torch"
     init_std: float = 0.0
 
-    def build(self, seed: int | None = None) -> nn.Module:
-        return build(self.name, self.dataset.input_shape, self.dataset.num_classes, seed=seed,
-                     init=self.init, init_std=self.init_std)
+    def build(self, seed: int | None = None, device=None) -> nn.Module:
+        """The model, on ``device`` (a torch device; None: the CPU). Initialised on the CPU
+        and then moved, so the initial weights are the same on any device."""
+        model = build(self.name, self.dataset.input_shape, self.dataset.num_classes, seed=seed,
+                      init=self.init, init_std=self.init_std)
+        return model if device is None else model.to(device)
 
 
 def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int | None = None,
@@ -207,13 +210,14 @@ def num_parameters(model: nn.Module) -> int:
 
 
 def get_flat(model: nn.Module) -> np.ndarray:
-    """All parameters as one new contiguous float32 vector (one copy)."""
+    """All parameters as one new contiguous float32 vector (one copy; from a GPU, the
+    concatenation is made there and crosses to the host once)."""
     import torch
 
     with torch.no_grad():
         flat = torch.cat([parameter.reshape(-1) for parameter in model.parameters()])
-    # .numpy() shares the freshly concatenated buffer: no second copy.
-    return flat.to(torch.float32).numpy()
+    # .numpy() shares the freshly concatenated buffer: no second copy (.cpu() is a no-op on the CPU).
+    return flat.to(torch.float32).cpu().numpy()
 
 
 def set_flat(model: nn.Module, vec: np.ndarray) -> None:
@@ -229,9 +233,12 @@ def set_flat(model: nn.Module, vec: np.ndarray) -> None:
         # message buffer; torch warns about that, but we only read from it.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         source = torch.from_numpy(vec)
+    parameters = list(model.parameters())
+    if parameters and parameters[0].device.type != "cpu":
+        source = source.to(parameters[0].device)  # one transfer to the GPU, not one per layer
     offset = 0
     with torch.no_grad():
-        for parameter in model.parameters():
+        for parameter in parameters:
             count = parameter.numel()
             parameter.copy_(source[offset : offset + count].view_as(parameter))
             offset += count

@@ -22,7 +22,7 @@ from torch.func import functional_call
 from .compression import LOW_RANK, RANDOM_MASK, UpdateCodec, low_rank_product
 from .models import get_flat
 from .datasets import Dataset
-from .training import IMAGES, _prepared, client_update, sgd_epochs
+from .training import IMAGES, _prepared, client_update, device_of, sgd_epochs
 
 
 class _Mask(NamedTuple):
@@ -36,7 +36,7 @@ class _Factor(NamedTuple):
     parameter: torch.Tensor
     base: torch.Tensor  # w_global's value, fixed
     basis: np.ndarray  # A
-    basis_t: torch.Tensor  # A as a tensor (shares memory)
+    basis_t: torch.Tensor  # A on the training device (on the CPU it shares A's memory)
     factor: torch.Tensor  # B, the trained leaf
 
 
@@ -93,7 +93,8 @@ def compressed_client_update(
 
 def _restricted_update(model, x, y, codec, seed, start_weights,
                        epochs, batch_size, lr, generator, lr_decay, start_iteration, dataset) -> CompressedResult:
-    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset)
+    device = device_of(model)
+    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device)
 
     named = list(model.named_parameters())
     if len(named) != len(codec.layers):
@@ -106,14 +107,14 @@ def _restricted_update(model, x, y, codec, seed, start_weights,
             raise ValueError(f"parameter {name} has shape {tuple(parameter.shape)}, codec expects {plan.shape}")
         if plan.kind == RANDOM_MASK:
             pattern = codec.mask(plan.index, seed)
-            masks[plan.index] = _Mask(parameter, pattern, torch.from_numpy(pattern.astype(np.float32)))
+            masks[plan.index] = _Mask(parameter, pattern, torch.from_numpy(pattern.astype(np.float32)).to(device))
             trainable.append(parameter)
         elif plan.kind == LOW_RANK:
             basis = codec.basis(plan.index, seed)
             # B starts at zero, so training starts from w_global exactly.
-            factor = torch.zeros(plan.rank, plan.cols, requires_grad=True)
+            factor = torch.zeros(plan.rank, plan.cols, device=device, requires_grad=True)
             factors[plan.index] = _Factor(name, parameter, parameter.detach().clone(), basis,
-                                          torch.from_numpy(basis), factor)
+                                          torch.from_numpy(basis).to(device), factor)
             trainable.append(factor)
         else:
             trainable.append(parameter)
@@ -142,8 +143,8 @@ def _restricted_update(model, x, y, codec, seed, start_weights,
     products = {}
     with torch.no_grad():
         for index, f in factors.items():
-            products[index] = low_rank_product(f.basis, f.factor.detach().numpy())
-            f.parameter.copy_(f.base + torch.from_numpy(products[index]).view_as(f.base))
+            products[index] = low_rank_product(f.basis, f.factor.detach().cpu().numpy())
+            f.parameter.copy_(f.base + torch.from_numpy(products[index]).to(device).view_as(f.base))
 
     started = time.perf_counter()  # wall: the encoding's measured compute
     delta = get_flat(model) - start_weights
@@ -152,7 +153,7 @@ def _restricted_update(model, x, y, codec, seed, start_weights,
         block = delta[plan.offset : plan.offset + plan.size]
         if plan.kind == LOW_RANK:
             block[:] = products[plan.index].reshape(-1)  # exact, not w_local - w_global's rounding
-            coordinates.append(factors[plan.index].factor.detach().numpy().reshape(-1))
+            coordinates.append(factors[plan.index].factor.detach().cpu().numpy().reshape(-1))
         elif plan.kind == RANDOM_MASK:
             coordinates.append(block[masks[plan.index].pattern.reshape(-1)])
         else:

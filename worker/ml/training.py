@@ -7,7 +7,10 @@ memory-mapped data set; ``dataset`` (its declaration, ``datasets.Dataset``) says
 they become tensors, how a training batch is augmented and how the loss is scored.
 Without one they are uint8 images of any size (``IMAGES``).
 
-The thread count is deliberately left alone: the node decides it.
+The thread count is deliberately left alone: the node decides it. So is the device:
+every function computes where ``model``'s parameters are (``run.device``, see
+``devices.torch_device``), moving the examples there; random draws (batch order,
+augmentation) come from CPU generators either way, so a GPU sees the same batches.
 """
 
 from __future__ import annotations
@@ -80,6 +83,11 @@ class _Images(ImageDataset):
 IMAGES = _Images()
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: its parameters' device."""
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
 def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
     count = len(y)
     if count == 0:
@@ -89,16 +97,18 @@ def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
     return count
 
 
-def _prepared(x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None, dataset: Dataset):
-    """Checked arguments of a ClientUpdate: (n, batch size, input tensor, target tensor)."""
+def _prepared(x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None, dataset: Dataset,
+              device: torch.device):
+    """Checked arguments of a ClientUpdate: (n, batch size, input tensor, target tensor),
+    the tensors on ``device``."""
     count = _check_local_data(x, y)
     if epochs <= 0:
         raise ValueError(f"epochs must be positive, got {epochs}")
     if batch_size is not None and batch_size < 0:
         raise ValueError(f"batch_size must be None, 0 or positive, got {batch_size}")
     batch = count if not batch_size else min(batch_size, count)
-    # Converted once per call, not per batch.
-    return count, batch, dataset.inputs(x, train=True), dataset.targets(y)
+    # Converted (and moved) once per call, not per batch.
+    return count, batch, dataset.inputs(x, train=True).to(device), dataset.targets(y).to(device)
 
 
 def sgd_epochs(
@@ -129,8 +139,8 @@ def sgd_epochs(
     steps = 0
     epoch_losses: list[float] = []
     for _ in range(epochs):
-        order = torch.randperm(count, generator=generator)
-        epoch_losses = []
+        order = torch.randperm(count, generator=generator).to(inputs.device)
+        losses = []
         for start in range(0, count, batch):
             _stop_point()
             chosen = order[start : start + batch]
@@ -148,8 +158,10 @@ def sgd_epochs(
                 for p in params:
                     if p.grad is not None:
                         p.add_(p.grad, alpha=-step_lr)
-            epoch_losses.append(loss.item())
+            losses.append(loss.detach())
             steps += 1
+        # Read once per epoch: on a GPU, a read per step would wait for every step's kernels.
+        epoch_losses = torch.stack(losses).tolist() if losses else []
     return steps, epoch_losses
 
 
@@ -180,7 +192,7 @@ def client_update(
     ``prox_mu`` > 0 adds FedProx's proximal term mu/2 ||w - w_start||^2 to the objective:
     mu (w - w_start) joins every gradient (the reported loss is the data term alone).
     """
-    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset)
+    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device_of(model))
     model.train()
     params = list(model.parameters())
     steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
@@ -217,7 +229,8 @@ def local_gradient(
     accumulate to exactly the full-batch sum before the one division by n.
     """
     count = _check_local_data(x, y)
-    targets = dataset.targets(y)
+    device = device_of(model)
+    targets = dataset.targets(y).to(device)
     scored = int(dataset.scored(targets).sum())
     if scored == 0:
         raise ValueError("no scored target in the local data (all padding)")
@@ -227,7 +240,8 @@ def local_gradient(
     for start in range(0, count, _FULL_PASS_CHUNK):
         _stop_point()
         stop = min(start + _FULL_PASS_CHUNK, count)
-        loss_sum = dataset.loss(model(dataset.inputs(x[start:stop])), targets[start:stop], reduction="sum")
+        loss_sum = dataset.loss(model(dataset.inputs(x[start:stop]).to(device)), targets[start:stop],
+                                reduction="sum")
         loss_sum.backward()
         total_loss += loss_sum.item()
 
@@ -236,7 +250,7 @@ def local_gradient(
     gradient.div_(scored)
     # Leave no gradients behind: a later optimizer step must not reuse them.
     model.zero_grad(set_to_none=True)
-    return gradient.numpy(), total_loss / scored
+    return gradient.cpu().numpy(), total_loss / scored
 
 
 def evaluate(
@@ -245,6 +259,7 @@ def evaluate(
     """(accuracy, mean cross-entropy) of ``model`` on the given set, over its scored
     targets (every example's; for sequences, every position but padding)."""
     count = _check_local_data(x, y)
+    device = device_of(model)
     was_training = model.training
     model.eval()
     correct = scored = 0
@@ -254,8 +269,8 @@ def evaluate(
             for start in range(0, count, batch_size):
                 stop = min(start + batch_size, count)
                 # Converted per batch: a test set may be a large memory map.
-                logits = model(dataset.inputs(x[start:stop]))
-                targets = dataset.targets(y[start:stop])
+                logits = model(dataset.inputs(x[start:stop]).to(device))
+                targets = dataset.targets(y[start:stop]).to(device)
                 keep = dataset.scored(targets)
                 total_loss += dataset.loss(logits, targets, reduction="sum").item()
                 correct += int(((logits.argmax(dim=-1) == targets) & keep).sum())
@@ -287,10 +302,11 @@ def svrg_pass(
     count = _check_local_data(x, y)
     # Un-augmented, like the full gradient it corrects: the pass's one update per sample
     # compares gradients at w and w_t on the same input.
-    inputs = dataset.inputs(x)
-    targets = dataset.targets(y)
+    device = device_of(model)
+    inputs = dataset.inputs(x).to(device)
+    targets = dataset.targets(y).to(device)
     params = list(model.parameters())
-    full = torch.from_numpy(np.asarray(full_gradient, dtype=np.float32))
+    full = torch.from_numpy(np.asarray(full_gradient, dtype=np.float32)).to(device)
     # The full gradient, split into views shaped like each parameter.
     full_views, offset = [], 0
     for p in params:
@@ -354,7 +370,7 @@ def _mlp_backward(linears: list[nn.Linear], x: torch.Tensor, y: torch.Tensor):
         a = torch.relu(z) if layer_index < len(linears) - 1 else z
     losses = F.cross_entropy(a, y, reduction="none")
     dz = torch.softmax(a, dim=1)
-    dz[torch.arange(len(y)), y] -= 1.0
+    dz[torch.arange(len(y), device=y.device), y] -= 1.0
     grads = [None] * len(linears)
     for layer_index in range(len(linears) - 1, -1, -1):
         grads[layer_index] = dz

@@ -126,7 +126,9 @@ class Dataset:
         return torch.from_numpy(np.asarray(y).astype(np.int64))
 
     def augment(self, batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """A training batch, randomly transformed (identity unless the data set augments)."""
+        """A training batch, randomly transformed (identity unless the data set augments).
+        The batch is on the device training runs on; draw from ``generator`` (a CPU
+        generator) and move the draws to ``batch.device``, so every device sees the same."""
         return batch
 
     @property

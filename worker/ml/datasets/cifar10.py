@@ -95,7 +95,7 @@ def standardise(images):
 
     flat = images.reshape(len(images), -1)
     mean = flat.mean(dim=1, keepdim=True)
-    floor = torch.tensor(1.0 / np.sqrt(flat.shape[1]), dtype=images.dtype)
+    floor = torch.tensor(1.0 / np.sqrt(flat.shape[1]), dtype=images.dtype, device=images.device)
     std = torch.maximum(flat.std(dim=1, unbiased=False, keepdim=True), floor)
     return ((flat - mean) / std).view_as(images)
 
@@ -140,16 +140,18 @@ class Cifar10(Dataset):
     def augment(self, batch, generator):
         """The tutorial's distorted_inputs, per image: a random 24x24 crop, a left-right flip
         with probability 1/2, brightness + U(-63, 63), contrast x U(0.2, 1.8) about each
-        channel's mean, then whitening. Every draw from ``generator``."""
+        channel's mean, then whitening. Every draw from ``generator`` (on the CPU, whatever
+        device the batch is on: a GPU run draws the same)."""
         import torch
 
         n = len(batch)
+        device = batch.device
         tops = torch.randint(0, STORED_SHAPE[1] - CROP + 1, (n,), generator=generator)
         lefts = torch.randint(0, STORED_SHAPE[2] - CROP + 1, (n,), generator=generator)
-        flips = torch.rand(n, generator=generator) < 0.5
-        brightness = (torch.rand(n, generator=generator) * 2 - 1) * MAX_BRIGHTNESS_DELTA
+        flips = (torch.rand(n, generator=generator) < 0.5).to(device)
+        brightness = ((torch.rand(n, generator=generator) * 2 - 1) * MAX_BRIGHTNESS_DELTA).to(device)
         low, high = CONTRAST_RANGE
-        contrast = low + torch.rand(n, generator=generator) * (high - low)
+        contrast = (low + torch.rand(n, generator=generator) * (high - low)).to(device)
         crops = torch.stack([batch[i, :, top:top + CROP, left:left + CROP]
                              for i, (top, left) in enumerate(zip(tops.tolist(), lefts.tolist()))])
         crops = torch.where(flips.view(n, 1, 1, 1), crops.flip(-1), crops)
