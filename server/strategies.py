@@ -43,8 +43,11 @@ class WeightedMean:
             self._term = np.empty(update.shape, dtype=np.float64)
         elif update.shape != self._sum.shape:
             raise ValueError(f"an update of shape {update.shape} among updates of shape {self._sum.shape}")
-        np.multiply(update, np.float64(n), out=self._term)
-        self._sum += self._term
+        if n == 1:  # one example (cross-device): the term is the update, the same bits without a pass
+            np.add(self._sum, update, out=self._sum)
+        else:
+            np.multiply(update, np.float64(n), out=self._term)
+            self._sum += self._term
         self.total += n
 
     def result(self) -> np.ndarray:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .datasets import Dataset, ImageDataset
-from .models import get_flat
+from .models import get_flat, parameters_of
 
 # Chunk size for full-data passes: bounds activation memory on big clients.
 _FULL_PASS_CHUNK = 2000
@@ -85,7 +85,8 @@ IMAGES = _Images()
 
 def device_of(model: nn.Module) -> torch.device:
     """Where ``model`` computes: its parameters' device."""
-    return next(iter(model.parameters()), torch.empty(0)).device
+    parameters = parameters_of(model)
+    return parameters[0].device if parameters else torch.device("cpu")
 
 
 def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
@@ -193,8 +194,9 @@ def client_update(
     mu (w - w_start) joins every gradient (the reported loss is the data term alone).
     """
     count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device_of(model))
-    model.train()
-    params = list(model.parameters())
+    if not model.training:  # model.train() walks every module, even when all are training already
+        model.train()
+    params = parameters_of(model)
     steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
                                      lr=lr, generator=generator, lr_decay=lr_decay,
                                      start_iteration=start_iteration,
@@ -245,7 +247,7 @@ def local_gradient(
         loss_sum.backward()
         total_loss += loss_sum.item()
 
-    parameters = list(model.parameters())
+    parameters = parameters_of(model)
     gradient = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])
     gradient.div_(scored)
     # Leave no gradients behind: a later optimizer step must not reuse them.
