@@ -48,7 +48,8 @@ stalled         now                            virtual time: nothing is pending 
 Node to node, relayed by the broker (``NODE``; ``watcher`` is a pid of the sending node):
 
 =============== ============================== ==================================================
-monitor         ref, watcher, target           watch process ``target`` of the receiving node
+monitor         watcher, targets               watch processes of the receiving node: ``targets``
+                                               is a list of [ref, target id]
 demonitor       ref, target                    stop watching
 down            down (watcher)                 the watched process ended (a ``Down``)
 =============== ============================== ==================================================
@@ -83,7 +84,7 @@ _ops(BROKER, hello=(), hb=(), bye=(), register=("entries",), unregister=("names"
 _ops(NODE, from_broker_only=True, welcome=(), hb=(), reply=("ref", "value"), unknown_node=(), node_down=("node",),
      register_failed=("name", "holder"), shutdown=(), offline=("links", "at"),
      availability=("offline", "online"), advance=("now", "count"), stalled=("now",))
-_ops(NODE, monitor=("ref", "watcher", "target"), demonitor=("ref", "target"), down=("down",))
+_ops(NODE, monitor=("watcher", "targets"), demonitor=("ref", "target"), down=("down",))
 
 # Broker-to-node messages that carry work for a node's processes: in virtual time the
 # broker counts them per node, and a node's idle report must have seen them all.

@@ -56,7 +56,7 @@ class NodeControl:
                 waiter[1].append(body["value"])
                 waiter[0].set()
         elif op == "monitor":
-            self._remote_monitor(header.src.node, body["watcher"], body["target"], body["ref"])
+            self._remote_monitor(header.src.node, body["watcher"], body["targets"])
         elif op == "demonitor":
             self._remote_demonitor(body["target"], body["ref"])
         elif op == "down":

@@ -124,7 +124,12 @@ class Process:
 
     def monitor(self, target: Pid) -> int:
         """Watch ``target``; exactly one :class:`Down` with this ref will arrive."""
-        return self.node._monitor(self.pid, target)
+        return self.node._monitor(self.pid, [target])[0]
+
+    def monitor_many(self, targets: list[Pid]) -> list[int]:
+        """``monitor`` each of ``targets`` (a ref each, in order), with one control message
+        per node they live on rather than one each."""
+        return self.node._monitor(self.pid, list(targets))
 
     def demonitor(self, ref: int) -> None:
         self.node._demonitor(ref)

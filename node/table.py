@@ -120,28 +120,33 @@ class ProcessTable:
         else:
             self._send_ctl(Pid(watcher.node, 0), {"op": "down", "down": down, "watcher": watcher})
 
-    def _monitor(self, watcher: Pid, target: Pid) -> int:
-        if not isinstance(target, Pid):
-            raise TypeError(f"monitor needs a Pid, not {target!r}; resolve names with whereis()")
-        ref = next(self._refs)
-        if target.node == self.name:
-            with self._state:
-                if target.id in self._procs:
-                    self._monitors.setdefault(target.id, []).append((ref, watcher))
-                    return ref
-            self._send_down(watcher, Down(ref, target, "noproc"))
-            return ref
+    def _monitor(self, watcher: Pid, targets: list[Pid]) -> list[int]:
+        """A ref per target (in order); the targets on each other node are watched with one
+        control message to it, not one each (a server watching 100,000 clients sends one
+        per worker node)."""
+        for target in targets:
+            if not isinstance(target, Pid):
+                raise TypeError(f"monitor needs a Pid, not {target!r}; resolve names with whereis()")
+        refs = [next(self._refs) for _ in targets]
+        local_dead, remote = [], {}
         with self._state:
-            if self.closed.is_set():
-                dead = True
-            else:
-                dead = False
-                self._out_monitors[ref] = (watcher, target)
-        if dead:
-            self._send_down(watcher, Down(ref, target, "noconnection"))
-        else:
-            self._send_ctl(Pid(target.node, 0), {"op": "monitor", "ref": ref, "watcher": watcher, "target": target.id})
-        return ref
+            closed = self.closed.is_set()
+            for ref, target in zip(refs, targets):
+                if target.node == self.name:
+                    if target.id in self._procs:
+                        self._monitors.setdefault(target.id, []).append((ref, watcher))
+                    else:
+                        local_dead.append(Down(ref, target, "noproc"))
+                elif closed:
+                    local_dead.append(Down(ref, target, "noconnection"))
+                else:
+                    self._out_monitors[ref] = (watcher, target)
+                    remote.setdefault(target.node, []).append([ref, target.id])
+        for down in local_dead:
+            self._send_down(watcher, down)
+        for node, watched in remote.items():
+            self._send_ctl(Pid(node, 0), {"op": "monitor", "watcher": watcher, "targets": watched})
+        return refs
 
     def _demonitor(self, ref: int) -> None:
         with self._state:
@@ -165,18 +170,23 @@ class ProcessTable:
         for ref, watcher, target in lost:
             self._deliver_local(target, watcher.id, Down(ref, target, "noconnection"))
 
-    def _remote_monitor(self, src_node: str, watcher: Any, target_id: Any, ref: Any) -> None:
-        """Another node's process ``watcher`` monitors local process ``target_id``."""
-        # Kept until the target exits: check now, or the exit would fail on it.
-        if not (isinstance(watcher, Pid) and watcher.node == src_node and type(target_id) is int
-                and type(ref) is int):
-            raise TypeError("monitor needs a watcher pid of the sending node, a target id and a ref")
+    def _remote_monitor(self, src_node: str, watcher: Any, targets: Any) -> None:
+        """Another node's process ``watcher`` monitors local processes: ``targets`` is a
+        list of [ref, target id]."""
+        # Kept until the targets exit: check now, or an exit would fail on them.
+        if not (isinstance(watcher, Pid) and watcher.node == src_node and isinstance(targets, list)
+                and all(isinstance(t, list) and len(t) == 2 and type(t[0]) is int and type(t[1]) is int
+                        for t in targets)):
+            raise TypeError("monitor needs a watcher pid of the sending node and a list of [ref, target id]")
+        dead = []
         with self._state:
-            alive = target_id in self._procs
-            if alive:
-                self._monitors.setdefault(target_id, []).append((ref, watcher))
-        if not alive:
-            self._send_down(watcher, Down(ref, Pid(self.name, target_id), "noproc"))
+            for ref, target_id in targets:
+                if target_id in self._procs:
+                    self._monitors.setdefault(target_id, []).append((ref, watcher))
+                else:
+                    dead.append(Down(ref, Pid(self.name, target_id), "noproc"))
+        for down in dead:
+            self._send_down(watcher, down)
 
     def _remote_demonitor(self, target_id: Any, ref: Any) -> None:
         with self._state:

@@ -205,10 +205,11 @@ class Engine:
                     f"only {len(ready_nodes)} of {self.settings.workers} worker nodes reported "
                     f"within {self.settings.startup_timeout_s:.0f}s: {sorted(ready_nodes) or 'none'}"))
             ready: WorkerReady = msg.body
-            for k, pid in as_pid_map(ready.clients).items():
+            hosted = as_pid_map(ready.clients)
+            for k, pid in hosted.items():
                 self.pids[k] = pid
                 self.client_of[pid] = k
-                proc.monitor(pid)
+            proc.monitor_many(list(hosted.values()))  # one control message to the node, not one per client
             ready_nodes[ready.node] = len(ready.clients)
         missing = set(range(self.settings.clients)) - set(self.pids)
         if missing:

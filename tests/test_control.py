@@ -22,7 +22,7 @@ def test_check_names_what_is_wrong():
         control.check({"op": "whereis", "name": "server"}, control.BROKER)
     with pytest.raises(control.ControlError, match="control 'shutdown' comes from the broker only"):
         control.check({"op": "shutdown"}, control.NODE, from_broker=False)
-    assert control.check({"op": "monitor", "ref": 1, "watcher": None, "target": 2}, control.NODE,
+    assert control.check({"op": "monitor", "watcher": None, "targets": [[1, 2]]}, control.NODE,
                          from_broker=False) == "monitor"  # relayed between nodes
 
 

@@ -286,6 +286,31 @@ def test_down_for_every_process_of_a_killed_node(procs, broker, node):
     assert all(d.body.reason == "noconnection" for d in downs)
 
 
+def test_monitor_many_gives_each_target_its_own_ref_and_exactly_one_down(procs, broker, node):
+    peer = procs.peer("peer", broker)
+
+    def body(proc):
+        echo = whereis(proc, "peer/echo")
+        idle = []
+        for _ in range(3):
+            proc.send(echo, "spawn-idle")
+            idle.append(proc.receive(Pid, timeout=5).body)
+        targets = [*idle, Pid("peer", 99_999), Pid(node.name, 99_999)]
+        refs = proc.monitor_many(targets)
+        dead = [proc.receive(Down, timeout=5).body for _ in range(2)]
+        peer.send_signal(signal.SIGKILL)
+        lost = [proc.receive(Down, timeout=10).body for _ in range(3)]
+        return targets, refs, dead, lost, proc.receive(Down, timeout=1)
+
+    targets, refs, dead, lost, extra = run_in_process(node, body)
+    assert len(set(refs)) == len(targets)
+    target_of = dict(zip(refs, targets))
+    assert all(target_of[d.ref] == d.pid for d in dead + lost)
+    assert {(d.pid, d.reason) for d in dead} == {(targets[3], "noproc"), (targets[4], "noproc")}
+    assert {(d.pid, d.reason) for d in lost} == {(t, "noconnection") for t in targets[:3]}
+    assert extra is TIMEOUT
+
+
 def test_monitor_of_a_dead_pid_is_noproc(procs, broker, node):
     procs.peer("peer", broker)
 
