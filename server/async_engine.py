@@ -83,31 +83,35 @@ class AsyncEngine(Engine):
         self.starts_resent = 0  # AsyncStarts resent since the last evaluation
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
-        for k in sorted(self.live):
-            self._start_client(proc, k)
+        self._start_clients(proc, sorted(self.live))
         try:
             return self._serve(proc)
         finally:
             for k in self.live:
                 proc.send(self.pids[k], AsyncStop("the run ended"))
 
-    def _start_client(self, proc: ThreadProcess, k: int) -> None:
-        """Start client k's asynchronous loop from the current global model."""
+    def _start_clients(self, proc: ThreadProcess, ks: list[int]) -> None:
+        """Start the asynchronous loops of clients ``ks`` from the current global model: one
+        AsyncStart for all of them, sent as one copy per worker node (``send_many``)."""
         s = self.settings
         b_l, b_u = self.rule.age_filter or (0, 0)
-        self.ages[k] = self.rule.client_age_start
-        self.doing[k] = "training"
-        self.sent.pop(k, None)  # a restarted client is a new process: models and requests count anew
-        self.answered[k] = 0
-        self.replies.pop(k, None)
         start = AsyncStart(
             rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
             batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
             over_active=getattr(self.rule, "over_active", ""), asks_age=self.rule.age_filter is not None,
             uploads_delta=self.rule.uploads_delta, compression=s.compression if self.codec else None,
-            retry_s=s.retry_s)
-        self._send_model(proc, k, self.pids[k], start)
-        self.unheard[k] = (start, proc.now() + s.retry_s, 0)
+            retry_s=s.retry_s, model=1)  # each client's first model from this server (see _send_model)
+        for k in ks:
+            self.ages[k] = self.rule.client_age_start
+            self.doing[k] = "training"
+            self.sent[k] = 1  # a restarted client is a new process: models and requests count anew
+            self.answered[k] = 0
+            self.replies.pop(k, None)
+            if self._keep_bases:
+                self.bases[k] = start.weights
+            self.unheard[k] = (start, proc.now() + s.retry_s, 0)
+        if ks:
+            proc.send_many([self.pids[k] for k in ks], start)
 
     def _resend_starts(self, proc: ThreadProcess) -> float:
         """Resend AsyncStart (the same message: same model number) to every client not
@@ -172,8 +176,7 @@ class AsyncEngine(Engine):
         if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
             return None
         if isinstance(body, WorkerReady):
-            for k in self._rejoin(proc, body, self._evaluation):
-                self._start_client(proc, k)
+            self._start_clients(proc, self._rejoin(proc, body, self._evaluation))
         elif isinstance(body, Down):
             self._client_down(proc, body, self._evaluation)
             k = self.client_of.get(body.pid)

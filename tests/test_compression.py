@@ -496,6 +496,9 @@ class _Outbox:
     def send(self, pid, body):
         self.sent.append(body)
 
+    def send_many(self, pids, body):
+        self.sent.extend(body for _ in pids)
+
     def send_after(self, delay, pid, body, unless_offline=False):
         self.sent.append(body)
 

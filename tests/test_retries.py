@@ -301,6 +301,10 @@ class LossyLoop:
         if (copy := self.cross(body, pid.id)) is not None:
             self.to_clients.append((pid.id, Message(SERVER, copy)))
 
+    def send_many(self, pids: list[Pid], body) -> None:  # each receiver decodes its own copy
+        for pid in pids:
+            self.send(pid, body)
+
     def now(self) -> float:  # the engine's clock: wall time here (retry_s is a wall interval)
         return time.monotonic()
 
@@ -516,6 +520,10 @@ class ClockProc:
 
     def send(self, pid, body):
         self.sent.append((self.t, pid, body))
+
+    def send_many(self, pids, body):
+        for pid in pids:
+            self.send(pid, body)
 
     def receive(self, match, timeout=None, wall_timeout=None):
         due = self.script[0][0] if self.script else float("inf")
