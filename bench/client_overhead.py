@@ -1,25 +1,51 @@
 """CPU time of one client task of one example (the cross-device case of bench/scale.py):
-load the round's weights, one SGD step, the weights out. Prints the min and median over 7
-repeats of 1,000 tasks on one thread.
+load the round's weights into the model, one SGD step, the weights out. Prints the min
+and median over 7 repeats of 1,000 tasks on one thread.
 
-    python bench/client_overhead.py LABEL
+    python bench/client_overhead.py [LABEL]
+
+Run it alternately from two checkouts to compare them (the label says which is which).
 """
-import time, numpy as np, torch, sys
-torch.set_num_threads(1)
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
 from fedemu.worker.ml import models, training
-from fedemu.worker.ml.datasets import get
-ds=get("mnist")
-spec=models.ModelSpec("2nn", ds)
-m=spec.build(seed=0)
-w=models.get_flat(m)
-x=np.random.randint(0,255,(1,28,28),dtype=np.uint8); y=np.array([3],dtype=np.uint8)
-def one():
-    models.set_flat(m,w)
-    return training.client_update(m,x,y,epochs=1,batch_size=10,lr=0.1,generator=torch.Generator().manual_seed(1),dataset=ds)
-for _ in range(200): one()
-best=[]
-for rep in range(7):
-    t=time.thread_time(); N=1000
-    for _ in range(N): one()
-    best.append((time.thread_time()-t)/N*1e3)
-print(sys.argv[1], "CPU ms per client: min %.3f median %.3f" % (min(best), sorted(best)[3]))
+from fedemu.worker.ml.datasets import get as dataset_named
+
+TASKS, REPEATS, WARM_UP = 1000, 7, 200
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # as in virtual time
+    mnist = dataset_named("mnist")
+    model = models.ModelSpec("2nn", mnist).build(seed=0)
+    weights = models.get_flat(model)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (1, 28, 28), dtype=np.uint8), np.array([3], dtype=np.uint8)
+
+    def task() -> None:
+        models.set_flat(model, weights)
+        training.client_update(model, x, y, epochs=1, batch_size=10, lr=0.1,
+                               generator=torch.Generator().manual_seed(1), dataset=mnist)
+
+    for _ in range(WARM_UP):
+        task()
+    per_task_ms = []
+    for _ in range(REPEATS):
+        started = time.thread_time()
+        for _ in range(TASKS):
+            task()
+        per_task_ms.append((time.thread_time() - started) / TASKS * 1e3)
+    label = sys.argv[1] if len(sys.argv) > 1 else ""
+    print(f"{label} CPU ms per one-example task: min {min(per_task_ms):.3f}, "
+          f"median {statistics.median(per_task_ms):.3f}".strip())
+
+
+if __name__ == "__main__":
+    main()

@@ -155,7 +155,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
                              lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
     else:
         engine = RoundEngine(settings, rule, model, run_data, runlog)
-    warm_up(run_data, np.arange(min(10, len(run_data.train_y))), model, device)  # round 1's evaluation is not a cold start
+    # Round 1's evaluation is not a cold start.
+    warm_up(run_data, np.arange(min(10, len(run_data.train_y))), model, device)
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)
         runlog.event("machines", **json.loads(machines.read_text()))

@@ -142,8 +142,8 @@ class SlurmRun(MachinesRun):
         argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
                 "--kill-on-bad-exit=0", "--job-name=fedemu-preflight",
                 sys_python(self.machines), "-m", "fedemu.launch", "preflight", "--slurm-task",
-                "--dataset", data["dataset"], "--broker-port", str(broker_port), "--model", self.config["model"]["name"],
-                "--device", self.config["run"]["device"]]
+                "--dataset", data["dataset"], "--broker-port", str(broker_port),
+                "--model", self.config["model"]["name"], "--device", self.config["run"]["device"]]
         if data["cache_dir"]:
             argv += ["--cache-dir", data["cache_dir"]]
         if self.machines.advertise:
