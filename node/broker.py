@@ -142,6 +142,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
                 now = time.monotonic()
                 if now >= next_check:
                     self._check_nodes(now)
+                    self._beat(now)
                     self._scripted_events(round_=None)
                     next_check = now + self.heartbeat_interval
         finally:
@@ -154,14 +155,25 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
     def stop(self) -> None:
         self._running = False
 
+    def _beat(self, now: float) -> None:
+        """A heartbeat to every node, unasked: a node's own heartbeat may wait behind
+        gigabytes of its uploads in the same stream (5,000 asynchronous clients uploading
+        at once), and its answer with it; this one tells the node the broker is alive."""
+        for info in list(self._nodes.values()):
+            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "hb", "now": now})
+
     def _drain(self) -> None:
         # Read everything queued before polling again: one poll per burst. Frame by
         # frame with int flags: recv_multipart's per-frame flag handling costs more
-        # than the rest of the relay.
+        # than the rest of the relay. A burst that takes longer than half a heartbeat
+        # interval is left for the next turn of the loop, so heartbeats still go out.
         recv = self._sock.recv
         on_message = self._on_message
         self._now = time.monotonic()  # "last seen" for every message of this burst
-        for _ in range(10_000):
+        give_way = self._now + self.heartbeat_interval / 2
+        for count in range(10_000):
+            if count % 64 == 63 and time.monotonic() > give_way:
+                return
             try:
                 identity = recv(_NOBLOCK)  # small bytes; a ROUTER always puts it first
             except zmq.Again:

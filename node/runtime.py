@@ -48,6 +48,8 @@ from .wire import BROKER_NODE, BROKER_PID, USER, Pid
 log = logging.getLogger("fedemu.node")
 
 _PR_SET_NAME = 15  # prctl(2)
+# call_broker: how many times its timeout an answer is awaited while the broker is alive.
+BUSY_BROKER_FACTOR = 12
 
 
 def _start_pool_thread(name: str, increment: int) -> None:
@@ -189,14 +191,25 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             raise NodeError(f"set_links refused: {error}")
 
     def call_broker(self, body: dict, timeout: float) -> Any:
+        """The broker's answer to a control request. Past ``timeout`` it is still awaited
+        while the broker is alive (heartbeats), up to BUSY_BROKER_FACTOR times as long: the
+        request may be queued behind gigabytes this node sent before it (thousands of
+        models), which the broker reads first."""
         ref = next(self._refs)
         done = threading.Event()
         slot: list = []
         self._replies[ref] = (done, slot)
         self._send_ctl(BROKER_PID, {**body, "ref": ref})
         if not done.wait(timeout):
-            self._replies.pop(ref, None)
-            raise NodeError(f"broker did not answer {body['op']!r} within {timeout}s")
+            patience = timeout * (BUSY_BROKER_FACTOR - 1)
+            while self.broker_lost is None and patience > 0 and not done.wait(min(patience, 0.5)):
+                patience -= 0.5
+            if not done.is_set():
+                self._replies.pop(ref, None)
+                if self.broker_lost:
+                    raise NodeError(f"broker did not answer {body['op']!r}: lost the broker: {self.broker_lost}")
+                raise NodeError(f"broker did not answer {body['op']!r} within {timeout * BUSY_BROKER_FACTOR:g}s "
+                                "(alive, but busy)")
         return slot[0]
 
     def send(self, dst: Pid | str, body: Any) -> None:

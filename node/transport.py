@@ -162,7 +162,8 @@ class Transport:
                 now = time.monotonic()
                 if now >= next_beat:
                     if self._welcomed.is_set():
-                        if now - last_heard > self.heartbeat_timeout:
+                        # Frames waiting unread mean this thread was busy, not the broker silent.
+                        if now - last_heard > self.heartbeat_timeout and not sock.get(zmq.EVENTS) & zmq.POLLIN:
                             self._lose_broker(f"broker silent for {now - last_heard:.1f}s")
                             break
                         self._send_ctl(BROKER_PID, {"op": "hb", "t": now})

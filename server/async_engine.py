@@ -28,6 +28,7 @@ upload's base whatever was lost. Each evaluation event counts the repeats the se
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import time
@@ -71,6 +72,10 @@ class AsyncEngine(Engine):
         # Clients not heard from since their AsyncStart: that message, when to resend it,
         # and how many times it was resent (each wait is longer: protocol.retry_wait).
         self.unheard: dict[int, tuple[AsyncStart, float, int]] = {}  # due: emulated seconds
+        # (due, client) of every entry above, soonest first; an entry whose client has been
+        # heard from (or resent since) is skipped when it surfaces: no scan of all clients
+        # per message, which was quadratic while 10,000s of clients had not answered yet.
+        self._start_dues: list[tuple[float, int]] = []
         # With settings.merge_s > 0 the server serves fetches and uploads one at a time,
         # each taking merge_s emulated seconds: those waiting queue here, in arrival order.
         self._queue: collections.deque[Message] = collections.deque()
@@ -109,21 +114,33 @@ class AsyncEngine(Engine):
             self.replies.pop(k, None)
             if self._keep_bases:
                 self.bases[k] = start.weights
-            self.unheard[k] = (start, proc.now() + s.retry_s, 0)
+            self._await_start(k, start, proc.now() + s.retry_s, 0)
         if ks:
             proc.send_many([self.pids[k] for k in ks], start)
+
+    def _await_start(self, k: int, start: AsyncStart, due: float, resends: int) -> None:
+        self.unheard[k] = (start, due, resends)
+        heapq.heappush(self._start_dues, (due, k))
 
     def _resend_starts(self, proc: ThreadProcess) -> float:
         """Resend AsyncStart (the same message: same model number) to every client not
         heard from within the retry interval; returns when the next one is due."""
-        now = proc.now()
-        for k, (start, due, resends) in list(self.unheard.items()):
-            if due <= now:
-                proc.send(self.pids[k], start)
-                self.unheard[k] = (start, now + retry_wait(self.settings.retry_s, resends + 1), resends + 1)
-                self.starts_resent += 1
-                log.info("client %d not heard from since its start: AsyncStart resent", k)
-        return min((due for _, due, _ in self.unheard.values()), default=math.inf)
+        now, dues = proc.now(), self._start_dues
+        while dues:
+            due, k = dues[0]
+            entry = self.unheard.get(k)
+            if entry is None or entry[1] != due:  # heard from, or rescheduled since: stale
+                heapq.heappop(dues)
+                continue
+            if due > now:
+                return due
+            heapq.heappop(dues)
+            start, _, resends = entry
+            proc.send(self.pids[k], start)
+            self._await_start(k, start, now + retry_wait(self.settings.retry_s, resends + 1), resends + 1)
+            self.starts_resent += 1
+            log.info("client %d not heard from since its start: AsyncStart resent", k)
+        return math.inf
 
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings

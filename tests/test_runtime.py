@@ -15,6 +15,7 @@ import zmq
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, NodeError, Pid, wire
 from fedemu.node.broker import BROKER_PID
+from fedemu.node.runtime import BUSY_BROKER_FACTOR
 
 
 HEARTBEAT_TIMEOUT = 1.0
@@ -404,6 +405,33 @@ def _raw_socket(endpoint: str, identity: bytes) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     return sock
+
+
+def test_the_broker_beats_to_every_node_unasked(procs):
+    # A node's own heartbeat can wait behind gigabytes of its uploads in the same stream
+    # (and the broker's answer with it): the broker's beats say it is alive meanwhile.
+    broker = procs.broker(heartbeat_timeout=60.0)
+    quiet = _raw_socket(broker, b"quiet")
+    quiet.send_multipart(wire.encode(wire.CTL, Pid("quiet", 0), Pid("$broker", 0), {"op": "hello"}))
+    beats, deadline = 0, time.monotonic() + 20
+    while beats < 3:  # the raw node never sends a heartbeat of its own
+        assert quiet.poll(max(deadline - time.monotonic(), 0) * 1000), f"{beats} beats in 20 s"
+        _, body = wire.decode(quiet.recv_multipart(copy=False), wire.DEFAULT_MAX_MESSAGE_BYTES)
+        beats += body.get("op") == "hb" and "t" not in body
+
+
+def test_a_request_to_a_stopped_broker_fails_when_the_broker_is_lost_naming_it(procs, broker):
+    n = Node("asker", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+    procs.broker_proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NodeError, match="broker did not answer 'stats': lost the broker: broker silent"):
+            n.broker_stats(timeout=0.5)
+        # Not the full patience for a busy broker (12 x 0.5 s): a silent one is lost sooner.
+        assert time.monotonic() - started < 0.5 * BUSY_BROKER_FACTOR
+    finally:
+        procs.broker_proc.send_signal(signal.SIGCONT)
+        n.close()
 
 
 def test_broker_drops_malformed_and_oversize_frames_and_keeps_serving(procs, tmp_path):
