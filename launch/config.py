@@ -93,8 +93,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "name": Key(str, "model: '2nn', 'cnn' (McMahan et al.'s MNIST models), 'cifar-cnn' (their CIFAR-10 "
                     "model), 'char-lstm' (their Shakespeare model), an installed plug-in's name, or "
                     "'package.module:function' (a builder(input_shape, num_classes))"),
-        "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults, or every weight "
-                    "and bias from N(0, init_std^2) (Nilsson et al.)", choices=("torch", "normal")),
+        "init": Key(str, "initial weights of the global model: PyTorch's per-layer defaults ('torch'), every "
+                    "weight and bias from N(0, init_std^2) ('normal', Nilsson et al.), or TensorFlow's default "
+                    "for dense and convolution layers ('glorot': Glorot-uniform weights, zero biases)",
+                    choices=("torch", "normal", "glorot")),
         "init_std": Key(float, "standard deviation of init = 'normal'", check=positive, rule="> 0"),
     },
     "algorithm": {

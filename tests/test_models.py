@@ -91,3 +91,21 @@ def test_set_flat_rejects_wrong_length():
     model = models.build("2nn", (1, 28, 28), 10, seed=0)
     with pytest.raises(ValueError, match=r"model needs \(199210,\)"):
         models.set_flat(model, np.zeros(199_209, np.float32))
+
+
+@pytest.mark.parametrize("name", ["2nn", "cnn"])
+def test_glorot_init_is_tensorflows_default_zero_biases_and_the_glorot_bound(name):
+    from fedemu.worker.ml.datasets import get as dataset_named
+
+    model = models.ModelSpec(name, dataset_named("mnist"), init="glorot").build(seed=4)
+    torch_default = models.ModelSpec(name, dataset_named("mnist")).build(seed=4)
+    for layer in model.modules():
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+            assert not layer.bias.any()
+            receptive = layer.weight[0, 0].numel() if layer.weight.dim() > 2 else 1
+            bound = (6.0 / (receptive * (layer.weight.shape[0] + layer.weight.shape[1]))) ** 0.5
+            assert float(layer.weight.abs().max()) <= bound
+            assert float(layer.weight.abs().max()) > 0.9 * bound  # uniform over the whole range
+    assert not np.array_equal(models.get_flat(model), models.get_flat(torch_default))
+    again = models.ModelSpec(name, dataset_named("mnist"), init="glorot").build(seed=4)
+    np.testing.assert_array_equal(models.get_flat(model), models.get_flat(again))

@@ -148,7 +148,7 @@ def builder(name: str) -> Builder:
     return found
 
 
-INITS = ("torch", "normal")
+INITS = ("torch", "normal", "glorot")
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,9 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: in
     ``init = "torch"`` keeps PyTorch's per-layer defaults; ``"normal"`` draws every weight
     and bias from N(0, init_std^2), as Nilsson et al.'s server did (``random_fc_model``
     in their server.erl: Erlang's ``rand:normal(0, 0.003)``, whose second argument is the
-    variance, so init_std = sqrt(0.003))."""
+    variance, so init_std = sqrt(0.003)); ``"glorot"`` is TensorFlow's default for dense
+    and convolution layers, which McMahan et al.'s models had: weights Glorot-uniform,
+    biases zero (other layers keep PyTorch's defaults)."""
     import torch
     from torch import nn
 
@@ -194,6 +196,8 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: in
             raise UnknownModel(f"model {name!r} built {type(model).__name__}, not a torch.nn.Module")
         if init == "normal":
             _normal_init(model, init_std)
+        elif init == "glorot":
+            _glorot_init(model)
     return model
 
 
@@ -203,6 +207,18 @@ def _normal_init(model: nn.Module, std: float) -> None:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, std)
+
+
+def _glorot_init(model: nn.Module) -> None:
+    import torch
+    from torch import nn
+
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                nn.init.xavier_uniform_(layer.weight)  # TensorFlow's glorot_uniform: the same bound
+                if layer.bias is not None:
+                    layer.bias.zero_()
 
 
 def parameters_of(model: nn.Module) -> list:
