@@ -172,7 +172,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         self._now = time.monotonic()  # "last seen" for every message of this burst
         give_way = self._now + self.heartbeat_interval / 2
         for count in range(10_000):
-            if count % 64 == 63 and time.monotonic() > give_way:
+            if count % 64 == 63 and time.monotonic() > give_way:  # wall
                 return
             try:
                 identity = recv(_NOBLOCK)  # small bytes; a ROUTER always puts it first

@@ -77,7 +77,7 @@ class Routing:
                 self._drop("unknown-node", f"message from {header.src.node!r} before hello")
                 self._send_ctl(identity, header.src, {"op": "unknown_node"})
             return
-        info.last_seen = time.monotonic()
+        info.last_seen = time.monotonic()  # wall
         if header.kind == CTL:
             if header.dst_node == BROKER_NODE:
                 self._control(identity, header, frames, known=True)
@@ -121,7 +121,7 @@ class Routing:
         if self.scheduler is not None:
             self.scheduler.accept(header.src, "many", (header, frames, ids))
             return
-        now = time.monotonic()
+        now = time.monotonic()  # wall
         sent = header.timing if type(header.timing) is float else None
         to = []
         size = wire.link_size(frames, MANY)

@@ -99,9 +99,10 @@ class Transport:
         if self.closed.is_set():
             self.dropped["node-closed"] += 1
             return
-        # The send time, in the broker's clock: where an emulated link's clock starts.
+        # The send time, in the broker's clock: where an emulated link's clock starts (wall clock runs only).
         offset = self._broker_clock.offset
-        sent = time.monotonic() + offset if offset is not None and kind == USER and not self.clock.virtual else None
+        wall_link = offset is not None and kind == USER and not self.clock.virtual
+        sent = time.monotonic() + offset if wall_link else None  # wall
         self._outbox.append(wire.encode(kind, src, dst, body, sent))
         self._report_due = True
         self._wake()
@@ -124,7 +125,7 @@ class Transport:
                 self.dropped["node-closed"] += len(ids)
                 continue
             offset = self._broker_clock.offset
-            sent = time.monotonic() + offset if offset is not None and not self.clock.virtual else None
+            sent = time.monotonic() + offset if offset is not None and not self.clock.virtual else None  # wall
             self._outbox.append(wire.encode_many(src, node, ids, body, sent))
             self._report_due = True
         self._wake()
@@ -155,11 +156,11 @@ class Transport:
         watching = True
         quick_sync = QUICK_SYNC_BEATS
         held = self._held.heap
-        last_heard = time.monotonic()
-        next_beat = time.monotonic()
+        last_heard = time.monotonic()  # wall
+        next_beat = time.monotonic()  # wall
         try:
             while not self.closed.is_set():
-                now = time.monotonic()
+                now = time.monotonic()  # wall
                 if now >= next_beat:
                     if self._welcomed.is_set():
                         # Frames waiting unread mean this thread was busy, not the broker silent.
@@ -179,7 +180,7 @@ class Transport:
                     events = poller.poll(int(wait * 1000))  # whole ms: may wake early, never late
                 else:
                     if wait > 0:
-                        time.sleep(wait)  # the last fraction of a ms before a held message is due
+                        time.sleep(wait)  # wall: the last fraction of a ms before a held message is due
                     events = poller.poll(0)
                 ready = dict(events)
                 if self._wake_r in ready:
@@ -201,7 +202,7 @@ class Transport:
                         while frame.more:  # a multipart message arrives whole: the rest is here
                             frame = recv(0, copy=False)
                             frames.append(frame)
-                        last_heard = time.monotonic()
+                        last_heard = time.monotonic()  # wall
                         self._on_frames(frames)
                         if held and held[0][2] <= last_heard:
                             self._held.release_due()  # a long burst must not make held messages late
