@@ -118,8 +118,8 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def run(population: int, per_round: int, examples: int, rounds: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out),
+def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server") -> dict:
+    command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), "--set", f"run.aggregation={aggregation}",
                "--set", f"data.clients={population}", "--set", f"algorithm.C={per_round / population!r}",
                "--set", "data.partition=sample", "--set", f"data.examples_per_client={examples}",
                "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0"]
@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--examples", type=int, default=1, help="training examples per client")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2; round 1 is not timed)")
+    parser.add_argument("--aggregation", choices=("server", "nodes"), default="server",
+                        help="run.aggregation: the server adds every update, or each worker node sums its clients'")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     if args.rounds < 2:
@@ -207,12 +209,13 @@ def main() -> None:
                     continue
                 print(f"  {population} clients, {per_round} per round ...", file=sys.stderr, flush=True)
                 results.append(run(population, per_round, args.examples, args.rounds,
-                                   Path(tmp) / f"{population}-{per_round}"))
+                                   Path(tmp) / f"{population}-{per_round}", args.aggregation))
                 if args.json:  # as it goes: a long grid keeps what it measured
                     args.json.write_text(json.dumps(results, indent=2))
     roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
     print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
-          f"'sample'); {os.cpu_count()} cores; 1-min load average at end {os.getloadavg()[0]:.2f}")
+          f"'sample'), aggregation on the {args.aggregation}; {os.cpu_count()} cores; 1-min load average at end "
+          f"{os.getloadavg()[0]:.2f}")
     print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / rest "
           "| delivered msg/s | relayed msg/s | tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles) + " |")
     print("|" + " ---: |" * (10 + len(roles)))

@@ -63,6 +63,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes; > 0 lets "
                          "message I/O preempt training, for tighter link timing on busy cores (0: none)",
                          check=lambda v: 0 <= v <= 19, rule="in 0..19"),
+        "aggregation": Key(str, "where a round's updates are summed: 'server' (each update crosses the broker to "
+                           "the server, which adds them in arrival order) or 'nodes' (each worker node keeps its "
+                           "clients' updates, charged on their links as if sent, and sends the server one exact "
+                           "sum: a round of 1,000 clients moves a few sums instead of 1,000 models; the model "
+                           "differs from 'server's in the last bits and is the same on any placement)",
+                           choices=("server", "nodes")),
         "restart_clients": Key(int, "times a worker node's supervisor restarts a crashed client (0: never)",
                                check=non_negative, rule=">= 0"),
     },
@@ -286,6 +292,12 @@ def validate(config: dict) -> None:
     if refusal:
         raise ConfigError(refusal)
     compression = compression_spec(config)
+    from fedemu.server.algorithm import aggregation_problem
+
+    refusal = aggregation_problem(config["run"]["aggregation"], algorithm,
+                                  compression.structured != "none" or compression.sketched)
+    if refusal:
+        raise ConfigError(refusal)
     if (compression.structured != "none" or compression.sketched) and algorithm.uploads:
         from fedemu.server.algorithm import built_in
 

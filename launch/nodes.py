@@ -146,7 +146,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
         compression=_compression(config), over_select=algo["over_select"],
         on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"], merge_s=algo["merge_s"],
-        client_log=run["client_log"], device=str(device),
+        client_log=run["client_log"], device=str(device), aggregation=run["aggregation"],
     )
     runlog = RunLog(run_dir)
     model = model_spec(config)

@@ -35,6 +35,8 @@ class Routing:
                 fields = wire.user_fields(frames[0].bytes, info.name)
                 if fields is not None:
                     size -= len(frames[0])  # what a link carries: see wire.link_size
+                    if len(fields) == 8:
+                        size += fields[7]  # the header's charge: bytes kept at the sender's node
                     src_node, src_id, dst_node, dst = fields[2:6]
                     info.last_seen = self._now
                     if self.scheduler is not None:
@@ -93,7 +95,7 @@ class Routing:
             return
         # A user message whose timing field is not a send time: route it, unstamped.
         self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
-                         frames, wire.link_size(frames), header.src)
+                         frames, wire.link_size(frames) + header.charge, header.src)
 
     def _route_user(self, fields: list, frames: list, size: int, src: Pid) -> None:
         if self.scheduler is not None:  # takes effect at quiescence, in its place

@@ -5,7 +5,7 @@ A message is a multipart ZeroMQ message::
     [header, body, array_0, array_1, ...]
 
 * ``header`` — msgpack array ``[version, kind, src_node, src_id, dst_node, dst]``,
-  optionally followed by a ``timing`` field (see :class:`Header`): the only frame
+  optionally followed by a ``timing`` field and a ``charge`` (see :class:`Header`): the only frame
   the broker unpacks, so routing cost does not grow with the payload. ``dst`` is a
   local process id (int) or a registered name (str); ``dst_node`` is ``""`` when the
   destination is a name the broker must resolve.
@@ -47,6 +47,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_HEADER_BYTES = 4096
 MAX_ARRAYS = 1024
 MAX_RECIPIENTS = 1_000_000  # processes one MANY message may address
+MAX_CHARGE = 1 << 40  # bytes a header may charge beyond its frames (see Header.charge)
 
 # Plain numeric dtypes only: object or structured dtypes could smuggle arbitrary data.
 _ALLOWED_DTYPE_KINDS = set("biuf")
@@ -94,6 +95,9 @@ class Header(NamedTuple):
     # * node -> broker: the sender's send time (float), where the model's clock starts;
     # * broker -> node: a Hold: the receiver keeps the message until it is due.
     timing: float | Hold | None = None
+    # Bytes the message stands for on its link beyond its own frames (node -> broker,
+    # USER only): an update a worker node keeps for its partial sum is charged as if sent.
+    charge: int = 0
 
 
 # --- registered message classes -------------------------------------------------
@@ -119,10 +123,12 @@ def message(cls: type) -> type:
 # --- header -----------------------------------------------------------------------
 
 
-def pack_header(kind: int, src: Pid, dst: Pid | str, timing: float | Hold | None = None) -> bytes:
+def pack_header(kind: int, src: Pid, dst: Pid | str, timing: float | Hold | None = None, charge: int = 0) -> bytes:
     fields = [VERSION, kind, src.node, src.id, *((dst.node, dst.id) if isinstance(dst, Pid) else ("", dst))]
-    if timing is not None:
+    if timing is not None or charge:
         fields.append(list(timing) if isinstance(timing, Hold) else timing)
+    if charge:
+        fields.append(charge)
     return msgpack.packb(fields)
 
 
@@ -133,8 +139,8 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         fields = _unpack_fields(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"header is not msgpack: {exc}") from None
-    if not isinstance(fields, list) or not 6 <= len(fields) <= 7:
-        raise WireError("header is not a 6- or 7-element array")
+    if not isinstance(fields, list) or not 6 <= len(fields) <= 8:
+        raise WireError("header is not a 6- to 8-element array")
     version, kind, src_node, src_id, dst_node, dst = fields[:6]
     if version != VERSION:
         raise WireError(f"wire version {version!r}, expected {VERSION}")
@@ -146,8 +152,11 @@ def unpack_header(frame: bytes | memoryview) -> Header:
         raise WireError("header source is not (str, int)")
     if not isinstance(dst_node, str) or not isinstance(dst, (int, str)) or isinstance(dst, bool):
         raise WireError("header destination is not (str, int|str)")
-    timing = _timing(fields[6]) if len(fields) == 7 else None
-    return Header(kind, Pid(src_node, src_id), dst_node, dst, timing)
+    timing = _timing(fields[6]) if len(fields) >= 7 else None
+    charge = fields[7] if len(fields) == 8 else 0
+    if type(charge) is not int or not 0 <= charge <= MAX_CHARGE or (charge and kind != USER):
+        raise WireError(f"header charge {charge!r} is not a user message's byte count in 0..{MAX_CHARGE}")
+    return Header(kind, Pid(src_node, src_id), dst_node, dst, timing, charge)
 
 
 def user_fields(frame: bytes, sender: str) -> list | None:
@@ -161,15 +170,18 @@ def user_fields(frame: bytes, sender: str) -> list | None:
         fields = _unpack_fields(frame)
     except Exception:
         return None
-    if type(fields) is not list or not 6 <= len(fields) <= 7:
+    if type(fields) is not list or not 6 <= len(fields) <= 8:
         return None
     version, kind, src_node, src_id, dst_node, dst = fields[:6]
-    sent = fields[6] if len(fields) == 7 else None
+    sent = fields[6] if len(fields) >= 7 else None
+    charge = fields[7] if len(fields) == 8 else 0
     if (kind == USER and version == VERSION and src_node == sender and type(src_id) is int
             and type(dst_node) is str and (type(dst) is int or type(dst) is str)
-            and (sent is None or (type(sent) is float and math.isfinite(sent)))):
+            and (sent is None or (type(sent) is float and math.isfinite(sent)))
+            and type(charge) is int and 0 <= charge <= MAX_CHARGE):
         return fields
     return None
+
 
 
 def held_header(fields: list, hold: Hold) -> bytes:
@@ -317,8 +329,10 @@ def _array_from_frame(arrays: list, used: list, index: Any, dtype_str: Any, shap
 
 
 def encode(kind: int, src: Pid, dst: Pid | str, payload: Any, timing: float | Hold | None = None) -> list:
-    """All frames of one message, header first."""
-    return [pack_header(kind, src, dst, timing), *pack_body(payload)]
+    """All frames of one message, header first. A payload with a ``link_charge`` (bytes
+    it stands for beyond itself, see Header.charge) has it in its header."""
+    charge = getattr(payload, "link_charge", 0) if kind == USER else 0
+    return [pack_header(kind, src, dst, timing, charge), *pack_body(payload)]
 
 
 def decode(frames: list, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, Any]:

@@ -108,3 +108,24 @@ def all_options(extra: type[Algorithm] | None = None) -> dict[str, Key]:
     for cls in [*built_in().values(), *([extra] if extra else [])]:
         keys.update(cls.options)
     return keys
+
+
+AGGREGATIONS = ("server", "nodes")
+
+
+def aggregation_problem(aggregation: str, strategy, compression) -> str | None:
+    """Why ``run.aggregation`` cannot be used with this rule, or None."""
+    if aggregation not in AGGREGATIONS:
+        return f"run.aggregation = {aggregation!r}; use {' or '.join(map(repr, AGGREGATIONS))}"
+    if aggregation == "server":
+        return None
+    if not getattr(strategy, "synchronous", False):
+        return (f"run.aggregation = 'nodes' sums each round's updates on the worker nodes; {strategy.name} is "
+                f"asynchronous (it merges each upload as it comes): use 'server'")
+    if strategy.keeps_updates:
+        return (f"run.aggregation = 'nodes' gives the server only each phase's mean; {strategy.name} uses "
+                f"every update: use 'server'")
+    if compression:
+        return ("run.aggregation = 'nodes' does not combine with compression (the server decodes each "
+                "encoded update): use 'server'")
+    return None

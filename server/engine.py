@@ -32,8 +32,11 @@ from fedemu.worker.ml import models, training
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
-from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest, WorkerReady, as_pid_map
+from fedemu.worker.ml.exact_sum import ExactSum
+from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
+                                    as_pid_map)
 
+from .algorithm import aggregation_problem
 from .runlog import RunLog, RunLogError
 from .strategies import Replies, Strategy, selected_per_round
 
@@ -78,6 +81,7 @@ class Settings:
     merge_s: float = 0.0  # asynchronous rules: emulated seconds the server takes per fetch or upload (a queue)
     client_log: str = "auto"  # per-client detail: "events", "csv", or "auto" (see CLIENT_LOGS)
     device: str = "cpu"  # the torch device the server evaluates on (run.device as this host resolved it)
+    aggregation: str = "server"  # or "nodes": each worker node sums its clients' updates (worker/node_sums.py)
 
     @property
     def per_round(self) -> int:
@@ -108,6 +112,7 @@ class Engine:
         self.data = data
         self.runlog = runlog
         self.pids: dict[int, Pid] = {}
+        self.sums: dict[str, Pid] = {}  # worker node -> its NodeSums (aggregation on the nodes)
         self.client_of: dict[Pid, int] = {}
         self.live: set[int] = set()
         self.totals = _Totals()
@@ -209,6 +214,9 @@ class Engine:
             for k, pid in hosted.items():
                 self.pids[k] = pid
                 self.client_of[pid] = k
+            if ready.sums is not None and self.settings.aggregation == "nodes":
+                self.sums[ready.node] = ready.sums
+                proc.monitor(ready.sums)  # its node lost: the updates it kept are lost with it
             proc.monitor_many(list(hosted.values()))  # one control message to the node, not one per client
             ready_nodes[ready.node] = len(ready.clients)
         missing = set(range(self.settings.clients)) - set(self.pids)
@@ -326,6 +334,10 @@ class RoundEngine(Engine):
             raise ValueError(f"on_quorum_missed = {self.on_quorum_missed!r}; use {' or '.join(QUORUM_POLICIES)}")
         if self.over_select and strategy.selects_all:
             raise ValueError(f"{strategy.name} selects every client: over_select does not apply")
+        problem = aggregation_problem(settings.aggregation, strategy, settings.compression)
+        if problem:
+            raise ValueError(problem)
+        self.at_nodes = settings.aggregation == "nodes"
         self._deadline_hinted = False
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
@@ -421,7 +433,8 @@ class RoundEngine(Engine):
         request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
                                batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
                                full_gradient=full_gradient, prox_mu=prox_mu,
-                               compression=s.compression if task == TRAIN and self.codec else None)
+                               compression=s.compression if task == TRAIN and self.codec else None,
+                               keep_at_node=self.at_nodes)
         asked = [k for k in book.selected if k in self.live]
         proc.send_many([self.pids[k] for k in asked], request)  # one copy per worker node
         period = s.deadline_s if s.deadline_s else float("inf")  # emulated seconds
@@ -429,7 +442,7 @@ class RoundEngine(Engine):
         extended = False
         waiting = self._waiting = set(asked)  # (and the round: what a deadlock names)
         self._round = round_
-        replies = Replies()  # each update folded into the phase's mean as it arrives
+        replies = Replies(exact=self.at_nodes)  # each update folded into the phase's mean as it arrives
         watchdog = time.monotonic() + s.progress_timeout_s  # wall: a node stuck for real
         while waiting and not (book.target and len(replies) >= book.target):
             msg = self._receive(proc, (TrainReply, Down, WorkerReady),
@@ -467,6 +480,8 @@ class RoundEngine(Engine):
                 proc.send(self.pids[k], Cancel(round_))
         else:
             book.stragglers |= waiting
+        if self.at_nodes and len(replies) >= s.quorum:
+            book.dropped |= self._sum_at_nodes(proc, round_, task, replies)
         if len(replies) < s.quorum:
             book.quorum_missed = "extended_then_skipped" if extended else "skipped"
         elif extended:
@@ -476,7 +491,65 @@ class RoundEngine(Engine):
         book.final_replies = replies
         return replies if len(replies) >= s.quorum else None
 
+    def _sum_at_nodes(self, proc: ThreadProcess, round_: int, task: str, replies: Replies) -> set[int]:
+        """Aggregation on the nodes, as a phase closes: each worker node sends the exact sum
+        of the updates it kept for the clients whose replies counted, and the server adds
+        them. A node lost before it answers loses those updates: its clients are returned
+        (dropped) and leave ``replies``. No emulated time passes (the server's merging
+        costs none either)."""
+        by_node: dict[str, list[int]] = {}
+        for reply in replies:
+            if reply.update is None:  # kept at its node
+                by_node.setdefault(self.pids[reply.client].node, []).append(reply.client)
+        lost: set[int] = set()
+        asked: dict[Pid, list[int]] = {}
+        for node, clients in sorted(by_node.items()):
+            sums = self.sums.get(node)
+            if sums is None:
+                lost.update(clients)
+                continue
+            proc.send(sums, SumRequest(round_, task, clients))
+            asked[sums] = clients
+        self._waiting_sums = asked
+        watchdog = time.monotonic() + self.settings.progress_timeout_s  # wall: a node stuck for real
+        while asked:
+            msg = self._receive(proc, (SumReply, Down, WorkerReady), wall_timeout=watchdog - time.monotonic())  # wall
+            if msg is TIMEOUT:
+                self.runlog.event("stall", round=round_, task=task, waiting_s=self.settings.progress_timeout_s,
+                                  waiting_for=sorted(p.node for p in asked), cause="no partial sum from these nodes")
+                watchdog = time.monotonic() + self.settings.progress_timeout_s  # wall
+                continue
+            body = msg.body
+            if isinstance(body, WorkerReady):
+                self._rejoin(proc, body, round_)
+            elif isinstance(body, Down):
+                if body.pid in asked:
+                    clients = asked.pop(body.pid)
+                    self.sums.pop(body.pid.node, None)
+                    lost.update(clients)
+                    log.warning("round %d: node %s was lost before sending its partial sum; the updates of its "
+                                "%d clients are lost", round_, body.pid.node, len(clients))
+                else:
+                    self._client_down(proc, body, round_)  # its update, kept at its node, still counts
+            elif msg.sender in asked and body.round == round_ and body.task == task:
+                clients = asked.pop(msg.sender)
+                try:
+                    replies.merge_node_sum(body.state)
+                except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                    log.error("round %d: node %s sent a malformed partial sum (%s); its %d clients' updates are "
+                              "left out", round_, body.node, exc, len(clients))
+                    lost.update(clients)
+                    continue
+                lost.update(k for k in body.missing if k in set(clients))
+            # else: a partial sum of an earlier phase, whose wait was cut short: ignored.
+        if lost:
+            replies.leave_out(lost)
+        return lost
+
     def waiting_for(self) -> str:
+        sums = getattr(self, "_waiting_sums", None)
+        if sums:
+            return f"partial sums of round {getattr(self, '_round', 0)} from nodes {sorted(p.node for p in sums)}"
         waiting = sorted(getattr(self, "_waiting", ()))
         return (f"replies of round {getattr(self, '_round', 0)} from clients {_ids(waiting)}" if waiting
                 else "nothing")

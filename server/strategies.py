@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from fedemu.node.schema import Key, positive
+from fedemu.worker.ml.exact_sum import ExactSum
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
 from .algorithm import Algorithm, register
@@ -71,20 +72,34 @@ def weighted_average(updates: Sequence[np.ndarray], counts: Sequence[int]) -> np
 class Replies(list):
     """A phase's replies, in arrival order, with the weighted mean of their updates
     (``mean()``), folded by the engine as they arrived. A rule that declares
-    ``keeps_updates = False`` gets them without their updates."""
+    ``keeps_updates = False`` gets them without their updates.
 
-    def __init__(self) -> None:
+    With ``exact`` (aggregation on the nodes), the mean is an ExactSum's: a reply whose
+    update its node kept adds nothing here, and the node's sum of those is merged in as
+    the phase closes (``merge_node_sum``)."""
+
+    def __init__(self, exact: bool = False) -> None:
         super().__init__()
-        self._mean = WeightedMean()
+        self._mean = ExactSum() if exact else WeightedMean()
 
     def fold(self, reply: TrainReply, keep_update: bool) -> None:
-        self._mean.add(reply.update, reply.num_samples)
-        if not keep_update:
-            reply.update = None  # the received buffer can go
+        if reply.update is not None:
+            self._mean.add(reply.update, reply.num_samples)
+            if not keep_update:
+                reply.update = None  # the received buffer can go
+        elif not isinstance(self._mean, ExactSum):
+            raise ValueError(f"client {reply.client}'s reply has no update")
         self.append(reply)
 
+    def merge_node_sum(self, state: dict) -> None:
+        self._mean.merge(state)
+
+    def leave_out(self, clients: set[int]) -> None:
+        """Replies whose updates were lost with their node (before any was merged)."""
+        self[:] = [reply for reply in self if reply.client not in clients]
+
     def mean(self) -> np.ndarray:
-        return self._mean.result()
+        return self._mean.mean() if isinstance(self._mean, ExactSum) else self._mean.result()
 
 
 # run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0) sends one request

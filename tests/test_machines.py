@@ -183,12 +183,15 @@ def test_clients_spread_over_hosts_train_like_a_local_run(hosts, tmp_path):
 @needs_hosts
 @pytest.mark.mnist
 @pytest.mark.slow
-def test_a_thousand_clients_a_round_over_two_hosts_train_the_model_one_machine_does(hosts, tmp_path):
+@pytest.mark.parametrize("aggregation", ["server", "nodes"])
+def test_a_thousand_clients_a_round_over_two_hosts_train_the_model_one_machine_does(hosts, tmp_path, aggregation):
     """Cross-device scale: 2,000 clients of one example each, 1,000 a round, spread over
     two hosts, and the same job on this machine with a single worker node: the same
     model, bit for bit (the broadcast goes to each host once; the server sums the
-    uploads in the same order whichever node hosts which client)."""
-    job = ("data.clients=2000", "data.partition=sample", "algorithm.C=0.5", "run.rounds=2")
+    uploads in the same order whichever node hosts which client, or each host's node
+    sums its own clients' exactly)."""
+    job = ("data.clients=2000", "data.partition=sample", "algorithm.C=0.5", "run.rounds=2",
+           f"run.aggregation={aggregation}")
     spread = launch(hosts, tmp_path / "spread", *job)
     output, _ = spread.communicate(timeout=300)
     assert spread.returncode == 0, output
@@ -199,8 +202,8 @@ def test_a_thousand_clients_a_round_over_two_hosts_train_the_model_one_machine_d
     assert local.returncode == 0, local.stdout + local.stderr
     rounds = {name: [e for e in read_events(tmp_path / name) if e["event"] == "round"] for name in ("spread", "local")}
     assert [e["participants"] for e in rounds["spread"]] == [1000, 1000]
-    assert ([(e["accuracy"], e["emulated_s"], e["bytes_down"]) for e in rounds["spread"]]
-            == [(e["accuracy"], e["emulated_s"], e["bytes_down"]) for e in rounds["local"]])
+    assert ([(e["accuracy"], e["emulated_s"], e["bytes_down"], e["bytes_up"]) for e in rounds["spread"]]
+            == [(e["accuracy"], e["emulated_s"], e["bytes_down"], e["bytes_up"]) for e in rounds["local"]])
     hashes = {name: json.loads((tmp_path / name / "summary.json").read_text())["weights_sha256"]
               for name in ("spread", "local")}
     assert hashes["spread"] == hashes["local"]

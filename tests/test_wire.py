@@ -65,7 +65,7 @@ def test_objects_that_cannot_travel_are_refused_at_the_sender():
 
 @pytest.mark.parametrize("frames, reason", [
     ([b"x"], "a message needs a header and a body"),
-    ([b"\x01", b""], "header is not a 6- or 7-element array"),
+    ([b"\x01", b""], "header is not a 6- to 8-element array"),
     ([msgpack.packb([1, 0, "a", 1, "b", 2, "soon"]), msgpack.packb(0)], "header timing 'soon' is neither"),
     ([msgpack.packb([1, 0, "a", 1, "b", 2, [0.1, 5.0, 3, 2]]), msgpack.packb(0)], "header timing [0.1, 5.0, 3, 2]"),
     ([msgpack.packb([1, 7, "a", 1, "b", 2]), msgpack.packb(0)], "unknown message kind 7"),
@@ -115,3 +115,24 @@ def test_the_brokers_fast_check_takes_exactly_the_well_formed_user_headers():
     with pytest.raises(WireError, match="header timing inf"):
         unpack_header(msgpack.packb(good + [math.inf]))
     assert user_fields(b"\xc1", "n1") is None and user_fields(b"x" * 10_000, "n1") is None
+    # A charge (bytes kept at the sender's node) follows the timing, present or None.
+    assert user_fields(msgpack.packb(good + [None, 800_000]), "n1") == good + [None, 800_000]
+    for charge in (-1, 1.5, True, wire.MAX_CHARGE + 1):
+        assert user_fields(msgpack.packb(good + [12.5, charge]), "n1") is None
+        with pytest.raises(WireError, match="charge"):
+            unpack_header(msgpack.packb(good + [12.5, charge]))
+    with pytest.raises(WireError, match="charge"):  # only a user message stands for bytes it does not carry
+        unpack_header(msgpack.packb([VERSION, CTL, "n1", 3, "n2", 4, None, 10]))
+
+
+def test_a_payload_with_a_link_charge_has_it_in_its_header():
+    """What a node sends for an update it keeps (aggregation on the nodes): the header
+    carries the bytes the update would have added, which the broker charges on the link."""
+    from fedemu.worker.protocol import TRAIN, TrainReply
+
+    reply = TrainReply(round=1, client=3, task=TRAIN, update=None, num_samples=1, train_loss=0.0, compute_s=0.0,
+                       link_charge=796_853)
+    header, body = wire.decode(wire.encode(wire.USER, SRC, DST, reply, timing=1.5))
+    assert (header.charge, header.timing, body.link_charge) == (796_853, 1.5, 796_853)
+    assert wire.decode(wire.encode(wire.USER, SRC, DST, "x"))[0].charge == 0
+    assert wire.decode(wire.encode(wire.CTL, SRC, DST, reply))[0].charge == 0  # control is never charged

@@ -24,6 +24,7 @@ from .protocol import (
 )
 from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .ml.devices import ComputeModel
+from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerSpec
 from .ml.structured import compressed_client_update
 
@@ -81,8 +82,9 @@ class Client(Behaviour):
 
     def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
                  stragglers: StragglerSpec = StragglerSpec(), compute: ComputeModel = ComputeModel(),
-                 anchors: _ModelCache | None = None):
+                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None):
         self.client_id = client_id
+        self.kept = kept  # the node's kept updates (aggregation on the nodes)
         self.indices = indices
         self.data = data
         self.model = model
@@ -208,6 +210,8 @@ class Client(Behaviour):
             log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
                      "the round closed without it" if cancelled() else "it went offline")
             return
+        if request.keep_at_node and reply.update is not None and self.kept is not None:
+            self.kept.keep(reply)
         # The device's compute time (modelled, or what real time has not covered yet).
         held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
@@ -455,9 +459,11 @@ def host_clients(
         log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
     cache, anchors = _ModelCache(device), _ModelCache(device)
+    kept = KeptUpdates()
+    sums = node.spawn_behaviour(NodeSums(kept))
 
     def start_client(k: int) -> Pid:
-        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors))
+        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors, kept))
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)
@@ -471,7 +477,7 @@ def host_clients(
     if restarts > 0:
         node.spawn(lambda proc: _supervise(proc, {pid: k for _, pid, k in entries}, start_client, server_pid,
                                            restarts))
-    node.send(server_pid, WorkerReady(node.name, [[k, pid] for _, pid, k in entries]))
+    node.send(server_pid, WorkerReady(node.name, [[k, pid] for _, pid, k in entries], sums))
     log.info("node %s hosts clients %d..%d (%d)", node.name, clients.start, clients.stop - 1, len(clients))
 
 

@@ -27,6 +27,7 @@ class TrainRequest:
     full_gradient: np.ndarray | None = None  # SVRG: grad f(w_t) from phase 1
     compression: dict | None = None  # TRAIN: send the update encoded (CompressionSpec.to_dict())
     prox_mu: float = 0.0  # TRAIN: add FedProx's proximal term mu/2 ||w - weights||^2 to the local objective
+    keep_at_node: bool = False  # run.aggregation = "nodes": the update stays at the client's node (NodeSums)
 
 
 @message
@@ -40,6 +41,9 @@ class TrainReply:
     compute_s: float  # measured local computation time
     slowdown: float = 1.0  # straggler factor applied: the reply was held (f - 1) * compute_s
     encoded: dict | None = None  # TRAIN with compression: the encoded delta instead of `update`
+    # Kept at the node (keep_at_node): `update` is None, and this is what it would have
+    # added to the message, charged on the link as if sent (wire.Header.charge).
+    link_charge: int = 0
 
 
 @message
@@ -177,6 +181,29 @@ class WorkerReady:
 
     node: str
     clients: list  # [[client id, Pid], ...]
+    sums: Pid | None = None  # the node's NodeSums (run.aggregation = "nodes")
+
+
+@message
+class SumRequest:
+    """The server, as a phase closes, to a worker node's NodeSums: the sum of the kept
+    updates of these clients (those whose replies counted)."""
+
+    round: int
+    task: str
+    clients: list
+
+
+@message
+class SumReply:
+    """A worker node's partial sum (ExactSum.state()) of the clients asked for; those
+    whose update it does not hold are ``missing``."""
+
+    round: int
+    task: str
+    node: str
+    state: dict
+    missing: list
 
 
 def client_name(k: int) -> str:
