@@ -1,0 +1,94 @@
+"""What-if: CO-OP on IID MNIST with Nilsson et al.'s testbed timing (their server the
+bottleneck at about 0.37 s a merge, clients cycling in about 6 s with jitter), against the
+benchmark's instant server and their logs (docs/results.md, "CO-OP's IID gap").
+
+    python bench/whatif/coop_their_timing.py --out OUT [--folds 0 1 2 3 4]
+
+Runs each fold not yet complete in OUT (resumable; about 7 minutes a fold on 2 cores),
+then prints the best accuracy so far at 10 / 25 / 50 / 100 uploads per client beside the
+benchmark's CO-OP records (bench/results/nilsson-table1/coop-iid), and the Bayesian
+correlated t-tests on best accuracy against the benchmark's FedAvg, FSVRG and
+centralised records of the same folds (seed 1, today's split).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "bench" / "results" / "nilsson-table1"
+THEIR_TIMING = ["algorithm.merge_s=0.37", "run.device_flops=8.2e7", "network.stragglers.distribution=lognormal",
+                "network.stragglers.sigma=0.25", "network.stragglers.per_round=true"]
+BUDGETS = (10, 25, 50, 100)
+
+
+def run_fold(out: Path, fold: int) -> dict:
+    run_dir = out / f"seed1-fold{fold}"
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
+        return json.loads(summary.read_text())
+    if run_dir.exists():
+        run_dir.rename(run_dir.with_name(run_dir.name + ".incomplete"))
+    sets = ["data.partition=iid", "data.folds=5", f"data.fold={fold}", "run.seed=1", "data.shard_order=pixels",
+            *THEIR_TIMING]
+    subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", str(ROOT / "examples" / "coop-noniid-nilsson.toml"),
+                    "--out", str(run_dir), "--workers", "2", *(a for s in sets for a in ("--set", s))], check=True)
+    return json.loads(summary.read_text())
+
+
+def curve_of(run_dir: Path) -> list[tuple[float, float]]:
+    """(uploads per client, accuracy) at each evaluation (every 10 uploads, 100 clients)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.endswith("}")]
+    return [(e["round"] * 10 / 100, e["accuracy"]) for e in events
+            if e["event"] == "round" and e.get("accuracy") is not None]
+
+
+def best_at(curve) -> dict[int, float]:
+    best, out = 0.0, {}
+    for x, accuracy in curve:
+        best = max(best, accuracy)
+        for budget in BUDGETS:
+            if abs(x - budget) < 1e-9:
+                out[budget] = best
+    return out
+
+
+def record(cell: str, fold: int) -> dict:
+    return json.loads((RECORDS / cell / f"seed1-fold{fold}.json").read_text())
+
+
+def main() -> None:
+    from fedemu.launch.compare import test
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--folds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    args = parser.parse_args()
+    timed = {f: run_fold(args.out, f) for f in args.folds}
+    rows = {"their timing": [best_at(curve_of(args.out / f"seed1-fold{f}")) for f in args.folds],
+            "instant server (benchmark)": [best_at(record("coop-iid", f)["curve"]) for f in args.folds]}
+    print("IID, best so far at " + " / ".join(map(str, BUDGETS)) + " uploads per client (%), mean of folds "
+          + ", ".join(map(str, args.folds)))
+    for name, per_fold in rows.items():
+        print(f"  {name}: " + " / ".join(f"{100 * statistics.mean(b[k] for b in per_fold):.2f}" for k in BUDGETS)
+              + "   at 100 by fold: " + " / ".join(f"{100 * b[100]:.2f}" for b in per_fold))
+    print(f"  final accuracy: their timing {100 * statistics.mean(s['final_accuracy'] for s in timed.values()):.2f}, "
+          f"instant server {100 * statistics.mean(record('coop-iid', f)['summary']['final_accuracy'] for f in args.folds):.2f}")
+    coop = {"their timing": np.array([timed[f]["best_accuracy"] for f in args.folds]),
+            "instant server": np.array([record("coop-iid", f)["summary"]["best_accuracy"] for f in args.folds])}
+    print("Bayesian correlated t-test on best accuracy, rope 1 point: P(other better), P(equivalent), P(CO-OP better)")
+    for other in ("fedavg-iid", "fsvrg-iid", "centralised"):
+        scores = np.array([record(other, f)["summary"]["best_accuracy"] for f in args.folds])
+        for name, ours in coop.items():
+            p_other, p_rope, p_coop, _ = test(scores, ours, 0.01, 1)
+            print(f"  {other} vs CO-OP ({name}): {p_other:.3f} / {p_rope:.3f} / {p_coop:.3f}")
+
+
+if __name__ == "__main__":
+    main()
