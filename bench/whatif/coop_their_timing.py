@@ -1,12 +1,12 @@
-"""What-if: CO-OP on IID MNIST with Nilsson et al.'s testbed timing (their server the
+"""What-if: CO-OP on MNIST with Nilsson et al.'s testbed timing (their server the
 bottleneck at about 0.37 s a merge, clients cycling in about 6 s with jitter), against the
 benchmark's instant server and their logs (docs/results.md, "CO-OP's IID gap").
 
-    python bench/whatif/coop_their_timing.py --out OUT [--folds 0 1 2 3 4]
+    python bench/whatif/coop_their_timing.py --out OUT [--partition iid|noniid] [--folds 0 1 2 3 4]
 
 Runs each fold not yet complete in OUT (resumable; about 7 minutes a fold on 2 cores),
 then prints the best accuracy so far at 10 / 25 / 50 / 100 uploads per client beside the
-benchmark's CO-OP records (bench/results/nilsson-table1/coop-iid), and the Bayesian
+benchmark's CO-OP records (bench/results/nilsson-table1/coop-iid or coop-noniid), and the Bayesian
 correlated t-tests on best accuracy against the benchmark's FedAvg, FSVRG and
 centralised records of the same folds (seed 1, today's split).
 """
@@ -28,14 +28,14 @@ THEIR_TIMING = ["algorithm.merge_s=0.37", "run.device_flops=8.2e7", "network.str
 BUDGETS = (10, 25, 50, 100)
 
 
-def run_fold(out: Path, fold: int) -> dict:
+def run_fold(out: Path, fold: int, partition: str) -> dict:
     run_dir = out / f"seed1-fold{fold}"
     summary = run_dir / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
         return json.loads(summary.read_text())
     if run_dir.exists():
         run_dir.rename(run_dir.with_name(run_dir.name + ".incomplete"))
-    sets = ["data.partition=iid", "data.folds=5", f"data.fold={fold}", "run.seed=1", "data.shard_order=pixels",
+    sets = [f"data.partition={'iid' if partition == 'iid' else 'shards'}", "data.folds=5", f"data.fold={fold}", "run.seed=1", "data.shard_order=pixels",
             *THEIR_TIMING]
     subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", str(ROOT / "examples" / "coop-noniid-nilsson.toml"),
                     "--out", str(run_dir), "--workers", "2", *(a for s in sets for a in ("--set", s))], check=True)
@@ -69,21 +69,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--folds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--partition", choices=("iid", "noniid"), default="iid")
     args = parser.parse_args()
-    timed = {f: run_fold(args.out, f) for f in args.folds}
+    timed = {f: run_fold(args.out, f, args.partition) for f in args.folds}
+    p = args.partition
     rows = {"their timing": [best_at(curve_of(args.out / f"seed1-fold{f}")) for f in args.folds],
-            "instant server (benchmark)": [best_at(record("coop-iid", f)["curve"]) for f in args.folds]}
-    print("IID, best so far at " + " / ".join(map(str, BUDGETS)) + " uploads per client (%), mean of folds "
+            "instant server (benchmark)": [best_at(record(f"coop-{p}", f)["curve"]) for f in args.folds]}
+    print(f"{p}, best so far at " + " / ".join(map(str, BUDGETS)) + " uploads per client (%), mean of folds "
           + ", ".join(map(str, args.folds)))
     for name, per_fold in rows.items():
         print(f"  {name}: " + " / ".join(f"{100 * statistics.mean(b[k] for b in per_fold):.2f}" for k in BUDGETS)
               + "   at 100 by fold: " + " / ".join(f"{100 * b[100]:.2f}" for b in per_fold))
     print(f"  final accuracy: their timing {100 * statistics.mean(s['final_accuracy'] for s in timed.values()):.2f}, "
-          f"instant server {100 * statistics.mean(record('coop-iid', f)['summary']['final_accuracy'] for f in args.folds):.2f}")
+          f"instant server {100 * statistics.mean(record(f'coop-{p}', f)['summary']['final_accuracy'] for f in args.folds):.2f}")
     coop = {"their timing": np.array([timed[f]["best_accuracy"] for f in args.folds]),
-            "instant server": np.array([record("coop-iid", f)["summary"]["best_accuracy"] for f in args.folds])}
+            "instant server": np.array([record(f"coop-{p}", f)["summary"]["best_accuracy"] for f in args.folds])}
     print("Bayesian correlated t-test on best accuracy, rope 1 point: P(other better), P(equivalent), P(CO-OP better)")
-    for other in ("fedavg-iid", "fsvrg-iid", "centralised"):
+    for other in (f"fedavg-{p}", f"fsvrg-{p}", "centralised"):
         scores = np.array([record(other, f)["summary"]["best_accuracy"] for f in args.folds])
         for name, ours in coop.items():
             p_other, p_rope, p_coop, _ = test(scores, ours, 0.01, 1)
