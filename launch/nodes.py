@@ -21,7 +21,7 @@ import numpy as np
 from fedemu.node import Broker, Node
 from fedemu.node.links import NetworkSpec
 
-from .lifecycle import STOP_SIGNALS, stop_reason
+from .lifecycle import STOP_SIGNALS, parent_died, stop_reason
 
 log = logging.getLogger("fedemu.launch")
 
@@ -182,7 +182,9 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     while not result:  # the engine writes its summary even when the node closed
         time.sleep(0.1)
     runlog.close()
-    if not node.closed.is_set():
+    # A launcher killed outright took the broker with it (and each node has its own
+    # parent-death signal): asking a dead broker to stop the nodes would only wait.
+    if not node.closed.is_set() and not parent_died():
         node.shutdown_all()
         node.wait(10)
     node.close("run finished")
