@@ -175,8 +175,18 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     def stop(status: str, reason: str) -> None:
         node.send(pid, Stop(status, reason))
 
+    signalled = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        # Off the signal handler: it runs between any two bytecodes of the main thread,
+        # which may hold the very lock a delivery takes (a launcher killed outright sends
+        # a parent-death signal per thread of it: the second one hung the server). Once.
+        if not signalled.is_set():
+            signalled.set()
+            threading.Thread(target=lambda: stop("interrupted", stop_reason(signum)), daemon=True).start()
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _: stop("interrupted", stop_reason(signum)))
+        signal.signal(sig, on_signal)
     node.on_close.append(lambda reason: stop("failed", f"lost the broker: {node.broker_lost}" if node.broker_lost
                                              else f"server node closed: {reason}"))
     while not result:  # the engine writes its summary even when the node closed
