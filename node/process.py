@@ -200,9 +200,10 @@ class ThreadProcess(Process):
         accept = _matcher(match)
         if self.node.clock.virtual:
             return self._receive_virtual(accept, timeout, wall_timeout)
+        # wall: on the wall clock an emulated timeout is host seconds (time_scale applied)
         deadline = None if timeout is None else time.monotonic() + self.node.clock.wall_seconds(timeout)
         if wall_timeout is not None:
-            wall_deadline = time.monotonic() + wall_timeout
+            wall_deadline = time.monotonic() + wall_timeout  # wall
             deadline = wall_deadline if deadline is None else min(deadline, wall_deadline)
         scanned = 0  # messages already rejected need no second look
         with self._arrived:
@@ -217,7 +218,7 @@ class ThreadProcess(Process):
                 if deadline is None:
                     self._arrived.wait()
                 else:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - time.monotonic()  # wall
                     if remaining <= 0:
                         return TIMEOUT
                     self._arrived.wait(remaining)
@@ -228,7 +229,7 @@ class ThreadProcess(Process):
         may move); a matching delivery, its timeout's timer or ``wall_timeout`` wakes it,
         and whoever wakes it counts it busy again at that moment."""
         node = self.node
-        wall_deadline = None if wall_timeout is None else time.monotonic() + wall_timeout
+        wall_deadline = None if wall_timeout is None else time.monotonic() + wall_timeout  # wall
         with self._arrived:
             msg = self._take(accept)
             if msg is not None:
@@ -240,7 +241,7 @@ class ThreadProcess(Process):
             timer = node.clock.add(timeout, (self, self._wait_id)) if timeout is not None else None
             node._busy_down()
             while self._woken is None:
-                remaining = None if wall_deadline is None else wall_deadline - time.monotonic()
+                remaining = None if wall_deadline is None else wall_deadline - time.monotonic()  # wall
                 if remaining is not None and remaining <= 0:
                     self._waiting, self._woken = None, "wall"
                     node._busy_up()

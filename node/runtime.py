@@ -120,7 +120,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
     def start(self, connect_timeout: float = 30.0) -> Node:
         """Connect to the broker and wait for its welcome."""
         self._connect()
-        deadline = time.monotonic() + connect_timeout
+        deadline = time.monotonic() + connect_timeout  # wall: a real process connecting
         next_hello = 0.0
         while not self._welcomed.wait(0.05):
             if self._refused is not None:
@@ -128,12 +128,12 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
                 raise NodeError(f"the broker at {self.broker} refused node {self.name}: {self._refused}")
             if self.closed.is_set():
                 raise NodeError(f"node {self.name} closed while connecting: {self.close_reason}")
-            now = time.monotonic()
+            now = time.monotonic()  # wall
             if now > deadline:
                 self.close("no broker")
                 raise NodeError(f"no broker answered at {self.broker} within {connect_timeout:.0f}s")
             if now >= next_hello:  # the first may precede the connect
-                self._send_ctl(BROKER_PID, {"op": "hello", "t": time.monotonic()})
+                self._send_ctl(BROKER_PID, {"op": "hello", "t": time.monotonic()})  # wall: the broker estimates clock offsets from it
                 next_hello = now + 0.5
         return self
 
