@@ -540,7 +540,7 @@ class RoundEngine(Engine):
                               "left out", round_, body.node, exc, len(clients))
                     lost.update(clients)
                     continue
-                lost.update(k for k in body.missing if k in set(clients))
+                lost.update(set(body.missing) & set(clients))
             # else: a partial sum of an earlier phase, whose wait was cut short: ignored.
         if lost:
             replies.leave_out(lost)

@@ -59,13 +59,6 @@ class _Bucket:
         return integers
 
 
-class _NoTerms:
-    terms = 0
-
-
-_NO_TERMS = _NoTerms()
-
-
 class ExactSum:
     """sum_k n_k u_k over float32 vectors of one shape, and the weighted mean
     sum_k n_k u_k / sum_k n_k, independent of the order and grouping of the terms
@@ -167,7 +160,7 @@ class ExactSum:
             if (type(e) is not int or type(count) is not int or count < 0 or not isinstance(integers, np.ndarray)
                     or integers.dtype != np.int64 or integers.shape != (size,)):
                 raise ValueError(f"a partial sum's bucket is malformed: exponent {e!r}, {count!r} terms")
-            if self._buckets.get(e, _NO_TERMS).terms + count > _MAX_TERMS:
+            if (self._buckets[e].terms if e in self._buckets else 0) + count > _MAX_TERMS:
                 raise OverflowError(f"more than {_MAX_TERMS} terms of one magnitude in one sum")
         special = state["special"]
         if special is not None and (not isinstance(special, np.ndarray) or special.dtype != np.float64
