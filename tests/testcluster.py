@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .testhosts import _run
+from .testhosts import _run, subnet_reserved
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
 COMMANDS = ("srun", "sbatch", "squeue", "scancel", "scontrol", "sinfo", "nsenter", "unshare")
@@ -54,13 +54,12 @@ class SlurmCluster:
         self.dir = workdir
         self.count = count
         self.cpus = cpus
-        tag = os.getpid() % 10000  # concurrent test sessions must not share names or subnets
-        self.subnet = f"10.{200 + os.getpid() % 50}"
+        tag = os.getpid() % 10000  # concurrent test sessions must not share names
         self.bridge = f"fes{tag}br"
         self.namespaces = [f"fedemu-{tag}-n{i}" for i in range(1, count + 1)]
         self.veths = [f"fes{tag}n{i}" for i in range(1, count + 1)]
-        self.addresses = [f"{self.subnet}.0.{i + 1}" for i in range(1, count + 1)]
-        self.controller = f"{self.subnet}.0.1"
+        self.addresses: list[str] = []  # on a free subnet, chosen in up()
+        self.controller = ""
         self.conf = self.dir / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
 
@@ -79,7 +78,10 @@ class SlurmCluster:
         os.chmod(self.dir, 0o755)  # munged refuses a socket folder others cannot traverse
         (self.dir / "state").mkdir(exist_ok=True)
         _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.controller}/24", "dev", self.bridge)
+        with subnet_reserved(range(200, 250)) as subnet:
+            self.controller = f"10.{subnet}.0.1"
+            self.addresses = [f"10.{subnet}.0.{i + 1}" for i in range(1, self.count + 1)]
+            _run("ip", "addr", "add", f"{self.controller}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for ns, veth, address in zip(self.namespaces, self.veths, self.addresses):
             _run("ip", "netns", "add", ns)

@@ -7,7 +7,10 @@ shared, so the same Python and fedemu install serve on every host.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +38,21 @@ def _run(*argv: str) -> str:
     return done.stdout
 
 
+@contextlib.contextmanager
+def subnet_reserved(candidates: range):
+    """A second octet X, in ``candidates``, that no address of this host's 10.X.0.0/16
+    uses, held until the block's addresses are added: concurrent test sessions and
+    pytest-xdist workers each get their own (an octet derived from the pid collided
+    now and then). The lock file orders the choosing across processes."""
+    with open("/run/fedemu-test-subnets.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        used = {int(octet) for octet in re.findall(r"inet 10\.(\d+)\.", _run("ip", "-o", "-4", "addr"))}
+        free = [x for x in candidates if x not in used]
+        if not free:
+            raise RuntimeError(f"no free 10.X.0.0/16 for test hosts: every X in {candidates} is in use")
+        yield free[0]
+
+
 class TestHosts:
     """``count`` hosts named h1..hN in an ssh config file (:attr:`ssh_config`)."""
 
@@ -43,11 +61,11 @@ class TestHosts:
     def __init__(self, workdir: Path, count: int) -> None:
         self.dir = workdir
         self.count = count
-        tag = os.getpid() % 10000  # concurrent test sessions must not share names or subnets
-        self.subnet = 100 + os.getpid() % 100
+        tag = os.getpid() % 10000  # concurrent test sessions must not share names
         self.namespaces = [f"fedemu-{tag}-h{i}" for i in range(1, count + 1)]
         self.veths = [f"fe{tag}h{i}" for i in range(1, count + 1)]
-        self.addresses = [f"10.{self.subnet}.{i}.2" for i in range(1, count + 1)]
+        self.subnet: int | None = None  # chosen in up()
+        self.addresses: list[str] = []
         self.ssh_config = self.dir / "ssh_config"
         self.sshd: list[subprocess.Popen] = []
 
@@ -63,11 +81,14 @@ class TestHosts:
         (self.dir / "authorized_keys").write_text((self.dir / "id_ed25519.pub").read_text())
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         config_lines = []
+        with subnet_reserved(range(100, 200)) as subnet:
+            self.subnet = subnet
+            self.addresses = [f"10.{subnet}.{i}.2" for i in range(1, self.count + 1)]
+            for i, (ns, veth) in enumerate(zip(self.namespaces, self.veths), 1):
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _run("ip", "addr", "add", f"10.{subnet}.{i}.1/24", "dev", veth)
         for i, (ns, veth, address) in enumerate(zip(self.namespaces, self.veths, self.addresses), 1):
-            gateway = f"10.{self.subnet}.{i}.1"
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "addr", "add", f"{gateway}/24", "dev", veth)
             _run("ip", "link", "set", veth, "up")
             _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
