@@ -406,16 +406,14 @@ def network_parts(config: dict):
     """(NetworkSpec for the broker, StragglerSpec for the workers) of a config; a bad
     value raises ConfigError naming the key."""
     from fedemu.node.links import LinkConfigError, NetworkSpec
-    from fedemu.worker.stragglers import StragglerSpec
+    from fedemu.worker.stragglers import stragglers_from_config
 
     section = dict(config.get("network", {}))
     stragglers = section.pop("stragglers", {})
     K, seed = config["data"]["clients"], config["run"]["seed"]
     try:
-        if not isinstance(stragglers, dict):
-            raise LinkConfigError("network.stragglers must be a table")
         return (NetworkSpec.from_config(section, K, seed, config["run"]["time_scale"]),
-                StragglerSpec.from_config(stragglers, K, seed))
+                stragglers_from_config(stragglers, K, seed))
     except LinkConfigError as exc:
         raise ConfigError(str(exc)) from None
 

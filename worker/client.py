@@ -25,7 +25,7 @@ from .protocol import (
 from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .ml.devices import ComputeModel
 from .node_sums import KeptUpdates, NodeSums
-from .stragglers import StragglerSpec
+from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
 
 log = logging.getLogger("fedemu.worker")
@@ -81,7 +81,7 @@ class Client(Behaviour):
     local model w_k and age a_k between messages)."""
 
     def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
-                 stragglers: StragglerSpec = StragglerSpec(), compute: ComputeModel = ComputeModel(),
+                 stragglers: StragglerSpec | StragglerGroups = StragglerSpec(), compute: ComputeModel = ComputeModel(),
                  anchors: _ModelCache | None = None, kept: KeptUpdates | None = None):
         self.client_id = client_id
         self.kept = kept  # the node's kept updates (aggregation on the nodes)
@@ -446,7 +446,7 @@ def host_clients(
     model: ModelSpec,
     server: str = "server",
     startup_timeout: float = 120.0,
-    stragglers: StragglerSpec = StragglerSpec(),
+    stragglers: StragglerSpec | StragglerGroups = StragglerSpec(),
     compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
     device: torch.device = torch.device("cpu"),

@@ -4,6 +4,10 @@ A client measures its real training time t and holds its reply back by (f - 1) *
 (divided by the run's time scale), so it looks like a device f times slower. Factors
 are drawn from the run seed and the client (and the round, when ``per_round``), so a
 rerun gives every client the same factors.
+
+``[network.stragglers]`` is one group; ``[[network.stragglers]]``, several (device classes
+by client, say, and a per-round jitter for everyone): a client's factor is the product
+of the factors of the groups that cover it, each group drawing from its own stream.
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ class StragglerSpec:
     clients: frozenset[int] | None = None  # None: every client
     per_round: bool = False  # draw a new factor each round
     seed: int = 0
+    group: int = 0  # its place among [[network.stragglers]]: its own random stream
 
     @classmethod
-    def from_config(cls, section: dict, num_clients: int, seed: int) -> StragglerSpec:
-        where = "network.stragglers"
+    def from_config(cls, section: dict, num_clients: int, seed: int, group: int = 0,
+                    where: str = "network.stragglers") -> StragglerSpec:
         allowed = {"distribution", "factor", "sigma", "alpha", "classes", "clients", "per_round"}
         unknown = set(section) - allowed
         if unknown:
@@ -58,7 +63,7 @@ class StragglerSpec:
         return cls(distribution=dist, factor=number("factor", 1.0, 1.0, ">= 1"),
                    sigma=number("sigma", 0.5, 0.0, ">= 0"), alpha=number("alpha", 2.0, 1e-9, "> 0"),
                    classes=tuple(tuple(map(float, c)) for c in classes), clients=clients,
-                   per_round=per_round, seed=seed)
+                   per_round=per_round, seed=seed, group=group)
 
     def slowdown(self, client: int, round_: int) -> float:
         """The factor f >= 1 for ``client`` in ``round_`` (1: not a straggler)."""
@@ -66,7 +71,8 @@ class StragglerSpec:
             return 1.0
         if self.distribution == "fixed":
             return self.factor
-        rng = streams.generator(self.seed, "stragglers", client, round_ if self.per_round else 0)
+        draw = (client, round_ if self.per_round else 0) + ((self.group,) if self.group else ())  # group 0: as one table always drew
+        rng = streams.generator(self.seed, "stragglers", *draw)
         if self.distribution == "lognormal":
             return max(1.0, math.exp(self.sigma * rng.standard_normal()))
         if self.distribution == "pareto":
@@ -77,3 +83,28 @@ class StragglerSpec:
             if u < total:
                 return factor
         return self.classes[-1][1]
+
+
+@dataclass(frozen=True)
+class StragglerGroups:
+    """Several groups (``[[network.stragglers]]``): a client's factor is the product of
+    its groups' factors."""
+
+    groups: tuple[StragglerSpec, ...]
+
+    def slowdown(self, client: int, round_: int) -> float:
+        factor = 1.0
+        for group in self.groups:
+            factor *= group.slowdown(client, round_)
+        return factor
+
+
+def stragglers_from_config(value: dict | list, num_clients: int, seed: int) -> StragglerSpec | StragglerGroups:
+    """``network.stragglers``: a table (one group) or an array of tables (several)."""
+    if isinstance(value, dict):
+        return StragglerSpec.from_config(value, num_clients, seed)
+    if not isinstance(value, list) or not value or not all(isinstance(entry, dict) for entry in value):
+        raise LinkConfigError("network.stragglers must be a table, or an array of tables ([[network.stragglers]])")
+    return StragglerGroups(tuple(StragglerSpec.from_config(entry, num_clients, seed, group=i,
+                                                           where=f"network.stragglers[{i}]")
+                                 for i, entry in enumerate(value)))
