@@ -26,18 +26,19 @@ def main() -> None:
     logs = sorted((args.theirs / "benchmark_results" / "coop" / args.folder).glob("complete_counter_log_*.txt"))
     if not logs:
         raise SystemExit(f"no complete_counter_log_*.txt under {args.theirs}/benchmark_results/coop/{args.folder}")
-    print("over-active checks per upload: median client of 1-32 | median of 33-100 | least of 1-32 | log")
+    print("over-active checks per upload: all clients | median client of 1-32 | median of 33-100 | least of 1-32 | log")
     separated = 0
     for log in logs:
-        rates = {int(k): int(over) / int(normal)
-                 for k, _, over, normal in LINE.findall(log.read_text()) if int(normal) > 0}
+        counts = [(int(k), int(over), int(normal)) for k, _, over, normal in LINE.findall(log.read_text())]
+        rates = {k: over / normal for k, over, normal in counts if normal > 0}
+        overall = sum(over for _, over, _ in counts) / max(1, sum(normal for *_, normal in counts))
         first = [r for k, r in rates.items() if k <= FIRST_GROUP]
         rest = [r for k, r in rates.items() if k > FIRST_GROUP]
         if not first or not rest:
             print(f"  (no clients of both groups in {log.name})")
             continue
         separated += min(first) > statistics.median(rest)
-        print(f"  {statistics.median(first):.2f} | {statistics.median(rest):.2f} | {min(first):.2f} | {log.name}")
+        print(f"  {overall:.2f} | {statistics.median(first):.2f} | {statistics.median(rest):.2f} | {min(first):.2f} | {log.name}")
     print(f"logs where the least over-active of 1-32 is above the median of 33-100: {separated} of {len(logs)}")
 
 

@@ -3,6 +3,15 @@ bottleneck at about 0.37 s a merge, clients cycling in about 6 s with jitter), a
 benchmark's instant server and their logs (docs/results.md, "CO-OP's IID gap").
 
     python bench/whatif/coop_their_timing.py --out OUT [--partition iid|noniid] [--folds 0 1 2 3 4]
+                                             [--device-groups]
+
+--device-groups: their two device groups (bench/whatif/coop_counter_logs.py: clients 1-32
+over-active about twice as often as 33-100) instead of one speed for all: clients 32-99
+(fedemu counts from 0) 1.3 times slower, devices at 9.7e7 FLOP/s. Chosen, on non-IID fold
+0's first 10 uploads per client, for the share of over-active checks (their logs: 0.26-0.44
+per upload; these settings 0.31 there and 0.23 over a whole run, one speed of 8.2e7 0.08),
+not for accuracy; the ratio 1.3 from a rough model (over-active checks per upload about
+b_l / (merges per second x training time) - 1, with their groups' 0.6 and 0.25).
 
 Runs each fold not yet complete in OUT (resumable; about 7 minutes a fold on 2 cores),
 then prints the best accuracy so far at 10 / 25 / 50 / 100 uploads per client beside the
@@ -25,10 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "bench" / "results" / "nilsson-table1"
 THEIR_TIMING = ["algorithm.merge_s=0.37", "run.device_flops=8.2e7", "network.stragglers.distribution=lognormal",
                 "network.stragglers.sigma=0.25", "network.stragglers.per_round=true"]
+# Their two device groups instead of one speed (--device-groups).
+DEVICE_GROUPS = ["algorithm.merge_s=0.37", "run.device_flops=9.7e7",
+                 'network.stragglers=[{distribution="fixed", factor=1.3, clients="32-99"},'
+                 ' {distribution="lognormal", sigma=0.25, per_round=true}]']
 BUDGETS = (10, 25, 50, 100)
 
 
-def run_fold(out: Path, fold: int, partition: str) -> dict:
+def run_fold(out: Path, fold: int, partition: str, timing: list[str]) -> dict:
     run_dir = out / f"seed1-fold{fold}"
     summary = run_dir / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("status") == "completed":
@@ -36,7 +49,7 @@ def run_fold(out: Path, fold: int, partition: str) -> dict:
     if run_dir.exists():
         run_dir.rename(run_dir.with_name(run_dir.name + ".incomplete"))
     sets = [f"data.partition={'iid' if partition == 'iid' else 'shards'}", "data.folds=5", f"data.fold={fold}", "run.seed=1", "data.shard_order=pixels",
-            *THEIR_TIMING]
+            *timing]
     subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", str(ROOT / "examples" / "coop-noniid-nilsson.toml"),
                     "--out", str(run_dir), "--workers", "2", *(a for s in sets for a in ("--set", s))], check=True)
     return json.loads(summary.read_text())
@@ -47,6 +60,14 @@ def curve_of(run_dir: Path) -> list[tuple[float, float]]:
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.endswith("}")]
     return [(e["round"] * 10 / 100, e["accuracy"]) for e in events
             if e["event"] == "round" and e.get("accuracy") is not None]
+
+
+def over_active(run_dir: Path) -> float:
+    """Age checks that came back over-active, per upload: checks less uploads less fetches."""
+    rounds = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+              if line.endswith("}") and '"event": "round"' in line]
+    checks, uploads, fetches = (sum(e.get(k, 0) for e in rounds) for k in ("age_requests", "uploads", "fetches"))
+    return (checks - uploads - fetches) / uploads
 
 
 def best_at(curve) -> dict[int, float]:
@@ -70,19 +91,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--folds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--partition", choices=("iid", "noniid"), default="iid")
+    parser.add_argument("--device-groups", action="store_true", help="their two device groups, not one speed")
     args = parser.parse_args()
-    timed = {f: run_fold(args.out, f, args.partition) for f in args.folds}
+    timing = DEVICE_GROUPS if args.device_groups else THEIR_TIMING
+    timed = {f: run_fold(args.out, f, args.partition, timing) for f in args.folds}
     p = args.partition
-    rows = {"their timing": [best_at(curve_of(args.out / f"seed1-fold{f}")) for f in args.folds],
+    label = "their timing, two device groups" if args.device_groups else "their timing"
+    rows = {label: [best_at(curve_of(args.out / f"seed1-fold{f}")) for f in args.folds],
             "instant server (benchmark)": [best_at(record(f"coop-{p}", f)["curve"]) for f in args.folds]}
     print(f"{p}, best so far at " + " / ".join(map(str, BUDGETS)) + " uploads per client (%), mean of folds "
           + ", ".join(map(str, args.folds)))
     for name, per_fold in rows.items():
         print(f"  {name}: " + " / ".join(f"{100 * statistics.mean(b[k] for b in per_fold):.2f}" for k in BUDGETS)
               + "   at 100 by fold: " + " / ".join(f"{100 * b[100]:.2f}" for b in per_fold))
-    print(f"  final accuracy: their timing {100 * statistics.mean(s['final_accuracy'] for s in timed.values()):.2f}, "
+    print(f"  final accuracy: {label} {100 * statistics.mean(s['final_accuracy'] for s in timed.values()):.2f}, "
           f"instant server {100 * statistics.mean(record(f'coop-{p}', f)['summary']['final_accuracy'] for f in args.folds):.2f}")
-    coop = {"their timing": np.array([timed[f]["best_accuracy"] for f in args.folds]),
+    checks = [over_active(args.out / f"seed1-fold{f}") for f in args.folds]
+    print(f"  over-active checks per upload ({label}): " + " / ".join(f"{c:.2f}" for c in checks)
+          + " (their counter logs: 0.26-0.44)")
+    coop = {label: np.array([timed[f]["best_accuracy"] for f in args.folds]),
             "instant server": np.array([record(f"coop-{p}", f)["summary"]["best_accuracy"] for f in args.folds])}
     print("Bayesian correlated t-test on best accuracy, rope 1 point: P(other better), P(equivalent), P(CO-OP better)")
     for other in (f"fedavg-{p}", f"fsvrg-{p}", "centralised"):
