@@ -192,10 +192,10 @@ class HostAgent:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + grace  # wall
         for proc in self.procs.values():
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.1, deadline - time.monotonic()))  # wall
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -109,11 +109,11 @@ def parent_died(settle: float = 0.0) -> bool:
     expected = os.environ.get(PARENT_ENV)
     if expected is None or not expected.isdigit():
         return False
-    deadline = time.monotonic() + settle
+    deadline = time.monotonic() + settle  # wall
     while True:
         if os.getppid() != int(expected) or _state(int(expected)) in ("Z", "X", None):
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:  # wall
             return False
         time.sleep(0.01)
 

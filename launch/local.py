@@ -97,11 +97,11 @@ class LocalRun:
                              "--heartbeat-interval", str(run["heartbeat_interval_s"]),
                              "--heartbeat-timeout", str(run["heartbeat_timeout_s"]),
                              "--network", str(network_file), *self._keys_args())
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 30  # wall
         while not endpoint_file.exists():
             if broker.poll() is not None:
                 raise LaunchError(f"the broker exited with code {broker.returncode}: {self._tail('broker')}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # wall
                 raise LaunchError("the broker did not start within 30s")
             time.sleep(0.05)
         return endpoint_file.read_text().strip()
@@ -207,11 +207,11 @@ class LocalRun:
         server = self.procs.get("server")
         if server is not None and server.poll() is not None and server.returncode < 0:
             grace = min(grace, 3.0)  # the server was killed: nobody told the nodes to leave
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + grace  # wall
         for name, proc in sorted(self.procs.items(), key=lambda item: item[0] == "broker"):
             # The broker goes last, and briefly: a server's shutdown has already ended it,
             # and without a server (a failed start) nothing else will.
-            wait = min(2.0, grace) if name == "broker" else deadline - time.monotonic()
+            wait = min(2.0, grace) if name == "broker" else deadline - time.monotonic()  # wall
             try:
                 proc.wait(max(0.1, wait))
             except subprocess.TimeoutExpired:

@@ -328,16 +328,16 @@ class MachinesRun(LocalRun):
                 server.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + grace  # wall
         if server is not None and server.poll() == 0:
             # The server told the nodes to leave: give them a moment to exit on their own,
             # so a node still tearing down is not counted as killed.
             for remote in self.remotes:
-                remote.ended(min(5.0, max(0.1, deadline - time.monotonic())))
+                remote.ended(min(5.0, max(0.1, deadline - time.monotonic())))  # wall
         for remote in self.remotes:
             remote.request_stop()
         for remote in self.remotes:
-            remote.wait(max(0.1, deadline - time.monotonic()))
+            remote.wait(max(0.1, deadline - time.monotonic()))  # wall
         super().stop(grace)
 
 

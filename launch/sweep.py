@@ -51,7 +51,7 @@ class Progress:
             secs = sum(self.walls) / len(self.walls) * left / max(1, min(parallel, left))
             eta = f", about {_duration(secs)} left"
         return (f"[{self.done + self.skipped}/{self.total} done, {running} running, {self.failed} failed{eta}, "
-                f"{_duration(time.monotonic() - self.started)} so far]")
+                f"{_duration(time.monotonic() - self.started)} so far]")  # wall
 
 
 def _duration(s: float) -> str:
@@ -176,8 +176,8 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                 _finish(p, box, index, sweep_dir, spec.target, progress, stop, echo, len(running), parallel)
             if stop.is_set() and not running:
                 break
-            if time.monotonic() - last_line > 60:  # a heartbeat while long points run
-                last_line = time.monotonic()
+            if time.monotonic() - last_line > 60:  # wall: a heartbeat while long points run
+                last_line = time.monotonic()  # wall
                 echo(f"       {progress.line(len(running), parallel)}")
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -208,13 +208,13 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
             box["pids"] = pids
 
     def target() -> None:
-        started = time.monotonic()
+        started = time.monotonic()  # wall
         try:
             box["summary"] = run_point(config, run_dir, workers=layout.workers_per_point, stop=stop,
                                        on_start=on_start, machines=hosts)
         except Exception as exc:  # a point's failure must not take the sweep down
             box["summary"] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-        box["wall"] = time.monotonic() - started
+        box["wall"] = time.monotonic() - started  # wall
 
     thread = threading.Thread(target=target, name=f"point {p.id}", daemon=True)
     thread.start()

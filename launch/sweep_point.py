@@ -51,12 +51,12 @@ def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: thread
             server, asked, last, reported = run.procs["server"], None, 0.0, set()
             while server.poll() is None:
                 run.check_exits(reported)
-                if stop.is_set() and time.monotonic() - last > 2:
+                if stop.is_set() and time.monotonic() - last > 2:  # wall
                     # The server writes an "interrupted" summary and stops the nodes. Again
                     # every 2 s: a server still starting up may not have its handler yet.
                     run.interrupt()
-                    asked, last = asked or time.monotonic(), time.monotonic()
-                if asked is not None and time.monotonic() - asked > 30:
+                    asked, last = asked or time.monotonic(), time.monotonic()  # wall
+                if asked is not None and time.monotonic() - asked > 30:  # wall
                     break  # run.stop() below terminates what is left
                 run.check_hosts()
                 time.sleep(0.2)

@@ -87,7 +87,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         self._running = False
         self._init_emulation(network)
         self.time_scale = network.time_scale if network is not None else 1.0
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic()  # wall: the wall clock's origin
         self._now = self._t0  # set once per burst in _drain
         self._init_devices()
         # Virtual time: the broker owns the clock and holds every message until due.
@@ -102,7 +102,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         since the broker started, or the virtual clock's instant."""
         if self.scheduler is not None:
             return self.scheduler.now
-        return (time.monotonic() - self._t0) * self.time_scale
+        return (time.monotonic() - self._t0) * self.time_scale  # wall: the wall clock's emulated time
 
     def _bind(self, bind: str) -> str:
         if not bind.startswith("tcp://") and not bind.startswith("ipc://"):
@@ -121,7 +121,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         poller.register(self._sock, zmq.POLLIN)
         for extra in self._admission.sockets if self._admission else ():
             poller.register(extra, zmq.POLLIN)
-        next_check = time.monotonic() + self.heartbeat_interval
+        next_check = time.monotonic() + self.heartbeat_interval  # wall: heartbeats are host time
         log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._admission else "")
         try:
             while self._running:
@@ -130,7 +130,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
                 wall_devices = self._device_checks and self.scheduler is None
                 if wall_devices:
                     wake = min(wake, self._t0 + self._device_checks[0][0] / self.time_scale)
-                for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
+                for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):  # wall
                     if sock is self._sock:
                         self._drain()
                     else:
@@ -139,7 +139,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
                     self.scheduler.step()
                 elif wall_devices:
                     self._due_device_checks()
-                now = time.monotonic()
+                now = time.monotonic()  # wall: heartbeat bookkeeping
                 if now >= next_check:
                     self._check_nodes(now)
                     self._beat(now)
@@ -169,7 +169,7 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         # interval is left for the next turn of the loop, so heartbeats still go out.
         recv = self._sock.recv
         on_message = self._on_message
-        self._now = time.monotonic()  # "last seen" for every message of this burst
+        self._now = time.monotonic()  # wall: "last seen" for every message of this burst
         give_way = self._now + self.heartbeat_interval / 2
         for count in range(10_000):
             if count % 64 == 63 and time.monotonic() > give_way:  # wall

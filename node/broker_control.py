@@ -37,7 +37,7 @@ class BrokerControl:
                 "heartbeat_timeout": self.heartbeat_timeout,
                 # Echo and this clock: the node's first estimate of its clock offset;
                 # the clock's identity: a node on this machine needs no estimate.
-                "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),
+                "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),  # wall
                 "clock": "virtual" if self.scheduler is not None else "wall", "time_scale": float(self.time_scale),
             })
             return
@@ -59,7 +59,7 @@ class BrokerControl:
                 log.info("virtual clock started by %s", src)
         elif op == "hb":
             # The node times the round trip: its send time echoed, and this clock.
-            self._send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})
+            self._send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})  # wall
         elif op == "register":
             self._register(identity, src, body.get("entries"))
         elif op == "unregister":

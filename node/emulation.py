@@ -119,7 +119,7 @@ class LinkEmulation:
 
     def _emulate(self, crossing: tuple[int, int], size: int, target: NodeInfo, fields: list, frames: list) -> None:
         link, direction = crossing
-        now = time.monotonic()
+        now = time.monotonic()  # wall
         due = self._wall_due(link, direction, size, fields[6] if len(fields) == 7 else None, now)
         if due is None:
             return
@@ -168,7 +168,7 @@ class LinkEmulation:
             self.scheduler.drop_held(lambda link: self.network.is_offline(link, emulated),
                                      lambda link, direction: self._lost(link, direction, "offline"))
             return
-        now = time.monotonic()
+        now = time.monotonic()  # wall
         for link in [k for k, until in self._flight_until.items() if until <= now]:
             del self._flight_until[link]  # nothing of it is held anywhere any more
         emulated = (now - self._t0) * self.time_scale

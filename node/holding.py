@@ -73,7 +73,7 @@ class BrokerClock:
         offset is known to within half the round trip, so the shortest recent wins."""
         if self.shared:
             return
-        t1 = time.monotonic()
+        t1 = time.monotonic()  # wall: a round trip to the broker's clock
         t0, broker_now = body.get("t"), body.get("now")
         if type(t0) is float and type(broker_now) is float and 0 <= t1 - t0 < 10:
             self._samples.append((t1 - t0, broker_now - (t0 + t1) / 2))
@@ -99,7 +99,7 @@ class HeldMessages:
         key = (src, dst_id)
         pair = self.pairs.get(key)
         if type(timing) is Hold:
-            now = time.monotonic()
+            now = time.monotonic()  # wall
             due = timing.sent_at + timing.hold
             # Due in this clock; never later than `hold` from now (what the broker
             # asked for), whatever the offset estimate says.
@@ -127,7 +127,7 @@ class HeldMessages:
         """Hand every held message that is due to its process, in due order (so in
         the model's order: FIFO per link, or the model's reordering with `reorder`)."""
         held = self.heap
-        now = time.monotonic()
+        now = time.monotonic()  # wall
         while held and held[0][2] <= now:
             _, _, _, key, body, _, _ = heapq.heappop(held)
             self._unhold(key)

@@ -201,7 +201,7 @@ class ThreadProcess(Process):
         if self.node.clock.virtual:
             return self._receive_virtual(accept, timeout, wall_timeout)
         # wall: on the wall clock an emulated timeout is host seconds (time_scale applied)
-        deadline = None if timeout is None else time.monotonic() + self.node.clock.wall_seconds(timeout)
+        deadline = None if timeout is None else time.monotonic() + self.node.clock.wall_seconds(timeout)  # wall
         if wall_timeout is not None:
             wall_deadline = time.monotonic() + wall_timeout  # wall
             deadline = wall_deadline if deadline is None else min(deadline, wall_deadline)

@@ -42,7 +42,7 @@ class Registry:
         """A node's hello: it is in the run from now (again, if ``known``)."""
         if known:
             log.warning("node %s said hello again; keeping its registrations", node)
-        info = self._nodes[node] = NodeInfo(node, identity, time.monotonic())
+        info = self._nodes[node] = NodeInfo(node, identity, time.monotonic())  # wall
         self._by_identity[identity] = info
         if self.scheduler is not None and not known:
             self.scheduler.join(node)
