@@ -32,10 +32,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "bench" / "results" / "nilsson-table1"
-THEIR_TIMING = ["algorithm.merge_s=0.37", "run.device_flops=8.2e7", "network.stragglers.distribution=lognormal",
+THEIR_SERVER = "algorithm.merge_s=0.37"
+THEIR_TIMING = [THEIR_SERVER, "run.device_flops=8.2e7", "network.stragglers.distribution=lognormal",
                 "network.stragglers.sigma=0.25", "network.stragglers.per_round=true"]
 # Their two device groups instead of one speed (--device-groups).
-DEVICE_GROUPS = ["algorithm.merge_s=0.37", "run.device_flops=9.7e7",
+DEVICE_GROUPS = [THEIR_SERVER, "run.device_flops=9.7e7",
                  'network.stragglers=[{distribution="fixed", factor=1.3, clients="32-99"},'
                  ' {distribution="lognormal", sigma=0.25, per_round=true}]']
 BUDGETS = (10, 25, 50, 100)
@@ -48,24 +49,27 @@ def run_fold(out: Path, fold: int, partition: str, timing: list[str]) -> dict:
         return json.loads(summary.read_text())
     if run_dir.exists():
         run_dir.rename(run_dir.with_name(run_dir.name + ".incomplete"))
-    sets = [f"data.partition={'iid' if partition == 'iid' else 'shards'}", "data.folds=5", f"data.fold={fold}", "run.seed=1", "data.shard_order=pixels",
-            *timing]
+    sets = [f"data.partition={'iid' if partition == 'iid' else 'shards'}", "data.folds=5", f"data.fold={fold}",
+            "run.seed=1", "data.shard_order=pixels", *timing]
     subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", str(ROOT / "examples" / "coop-noniid-nilsson.toml"),
                     "--out", str(run_dir), "--workers", "2", *(a for s in sets for a in ("--set", s))], check=True)
     return json.loads(summary.read_text())
 
 
+def round_events(run_dir: Path) -> list[dict]:
+    """A run's round events (an evaluation each; a torn last line is skipped)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.endswith("}")]
+    return [e for e in events if e["event"] == "round"]
+
+
 def curve_of(run_dir: Path) -> list[tuple[float, float]]:
     """(uploads per client, accuracy) at each evaluation (every 10 uploads, 100 clients)."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.endswith("}")]
-    return [(e["round"] * 10 / 100, e["accuracy"]) for e in events
-            if e["event"] == "round" and e.get("accuracy") is not None]
+    return [(e["round"] * 10 / 100, e["accuracy"]) for e in round_events(run_dir) if e.get("accuracy") is not None]
 
 
 def over_active(run_dir: Path) -> float:
     """Age checks that came back over-active, per upload: checks less uploads less fetches."""
-    rounds = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-              if line.endswith("}") and '"event": "round"' in line]
+    rounds = round_events(run_dir)
     checks, uploads, fetches = (sum(e.get(k, 0) for e in rounds) for k in ("age_requests", "uploads", "fetches"))
     return (checks - uploads - fetches) / uploads
 
