@@ -9,7 +9,7 @@ benchmark's instant server and their logs (docs/results.md, "CO-OP's IID gap").
 over-active about twice as often as 33-100) instead of one speed for all: clients 32-99
 (fedemu counts from 0) 1.3 times slower, devices at 9.7e7 FLOP/s. Chosen, on non-IID fold
 0's first 10 uploads per client, for the share of over-active checks (their logs: 0.26-0.44
-per upload; these settings 0.31 there and 0.23 over a whole run, one speed of 8.2e7 0.08),
+per upload; these settings 0.31 there and 0.23 over a whole run, one speed of 8.2e7 0.08 and 0.01),
 not for accuracy; the ratio 1.3 from a rough model (over-active checks per upload about
 b_l / (merges per second x training time) - 1, with their groups' 0.6 and 0.25).
 
