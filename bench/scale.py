@@ -148,9 +148,9 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
                 workers[pid] = kind
         peak_tree = max(peak_tree, tree)
         for pid, kind in workers.items():
-            cpu = pool_cpu_s(pid)
-            if cpu:
-                pool_last[kind] = cpu
+            # CPU time only grows: a lower reading is a node shutting down, its pool threads
+            # gone while a thread one of them started (a name is inherited) lingers.
+            pool_last[kind] = max(pool_cpu_s(pid), pool_last.get(kind, 0.0))
         if pool_after_round_1 is None and any(e["event"] == "round" for e in events(out)):
             pool_after_round_1, cpu_after_round_1 = dict(pool_last), dict(cpu_last)
         time.sleep(0.2)

@@ -76,6 +76,29 @@ def test_the_mean_is_the_exact_mean_rounded_to_float32():
                   <= np.spacing(np.abs(running.result()[differ])))
 
 
+def test_a_term_is_cut_to_its_grid_exactly_whatever_the_array_it_comes_in():
+    """The compiled fold gives each term's integers trunc(n u 2^(40 - e)), as the float64
+    formula does, for updates read from the wire (read-only) or strided views; and a
+    subtraction takes them all back."""
+    from fedemu.worker.ml.exact_sum import FRACTION_BITS
+
+    rng = np.random.default_rng(4)
+    base = (rng.standard_normal(2 * 3_001) * 0.05).astype(np.float32)
+    read_only = base[:3_001].copy()
+    read_only.flags.writeable = False
+    for update in (base[:3_001], read_only, base[::2]):
+        n = 37
+        e = int(np.frexp(np.abs(update).max() * np.float64(n))[1])
+        expected = np.trunc(update.astype(np.float64) * (n * 2.0 ** (FRACTION_BITS - e))).astype(np.int64)
+        assert np.count_nonzero(expected) > 2_900  # a grid that keeps the values
+        one = ExactSum()
+        one.add(update, n)
+        [[exponent, terms, integers]] = one.state()["buckets"]
+        assert (exponent, terms) == (e, 1) and np.array_equal(integers, expected)
+        one.subtract(update, n)
+        assert not one.state()["buckets"][0][2].any()
+
+
 def test_many_terms_of_one_magnitude_stay_exact_past_the_float64_spill():
     """Over 4,096 terms of one exponent a bucket moves into int64; grouping still does
     not matter."""
