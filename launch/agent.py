@@ -25,6 +25,7 @@ import tempfile
 import threading
 import tomllib
 import time
+import importlib.util
 from importlib import metadata
 from pathlib import Path
 
@@ -88,6 +89,10 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         report["torch"] = torch.__version__
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
+    # Worker nodes import it on their first exact-sum addition (aggregation on the nodes):
+    # found missing here, not halfway through a run. Only looked up: importing takes a while.
+    if importlib.util.find_spec("numba") is None:
+        report["problems"].append("numba is not installed (an install without fedemu's dependencies?)")
     from fedemu.worker.ml import data, datasets, devices, models
 
     if device is not None:  # the worker nodes here train on it

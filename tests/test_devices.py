@@ -65,6 +65,18 @@ def test_preflight_names_a_hosts_missing_gpu():
     assert preflight("mnist", None, None, None, device="cpu")["device"] == "cpu"
 
 
+def test_preflight_names_a_missing_numba(monkeypatch):
+    """A host whose install skipped fedemu's dependencies would fail at its first exact-sum
+    addition, mid-run; the preflight says so first."""
+    import importlib.util
+
+    assert preflight("mnist", None, None, None, device="cpu")["problems"] == []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else find_spec(name, *a))
+    assert preflight("mnist", None, None, None, device="cpu")["problems"] == [
+        "numba is not installed (an install without fedemu's dependencies?)"]
+
+
 @no_gpu
 @pytest.mark.mnist
 def test_launch_refuses_a_missing_gpu_before_starting_anything(tmp_path):
