@@ -1,0 +1,67 @@
+"""Non-IID FedAvg's learning curves, fedemu's Table 1 records against Nilsson et al.'s
+cross-validation logs, in blocks of rounds (docs/results.md, "Non-IID FedAvg learns
+faster than theirs"): the mean accuracy of each block, and each run's spread over the last
+300 rounds (the standard deviation of its accuracy there, how much it oscillates).
+
+    python bench/whatif/fedavg_curves.py --theirs PATH [--cell fedavg-noniid]
+
+PATH: a checkout of FraunhoferChalmersCentre/fl-performance-evaluation. Their log's line r
+is the model after r rounds (line 0: the initial model); a record's curve point i is the
+model after round i + 1.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKS = [(1, 5), (6, 10), (11, 20), (21, 50), (51, 100), (101, 200), (201, 400), (401, 700), (701, 1000)]
+FOLDERS = {"fedavg-noniid": "fedavg/cross_validations", "fedavg-iid": "fedavg/cross_validations_iid"}
+
+
+def theirs(path: Path, cell: str) -> dict[str, list[float]]:
+    logs = sorted((path / "benchmark_results" / FOLDERS[cell]).glob("score_log_run*"))
+    if not logs:
+        raise SystemExit(f"no score_log_run* under {path}/benchmark_results/{FOLDERS[cell]}")
+    return {log.name.split("_id")[0].removeprefix("score_log_"):
+            [float(row[1]) for row in csv.reader(log.open()) if row] for log in logs}
+
+
+def ours(cell: str) -> dict[str, list[float]]:
+    records = sorted(p for p in (ROOT / "bench" / "results" / "nilsson-table1" / cell).glob("seed*-fold*.json")
+                     if "@" not in p.name)  # '@before-...': runs of an earlier split
+    return {p.stem: [float("nan")] + [accuracy for _, accuracy in json.loads(p.read_text())["curve"]]
+            for p in records}
+
+
+def block_mean(curve: list[float], first: int, last: int) -> float:
+    return statistics.mean(curve[first:last + 1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--theirs", type=Path, required=True, help="a checkout of their repository")
+    parser.add_argument("--cell", default="fedavg-noniid", choices=sorted(FOLDERS))
+    args = parser.parse_args()
+    runs = {"theirs": theirs(args.theirs, args.cell), "fedemu": ours(args.cell)}
+    complete = {who: {name: c for name, c in curves.items() if len(c) > BLOCKS[-1][1]}
+                for who, curves in runs.items()}
+    print(f"{args.cell}: mean accuracy (%) over each block of rounds, mean over runs "
+          f"({len(complete['theirs'])} of theirs, {len(complete['fedemu'])} of fedemu's)")
+    print("| rounds | theirs | fedemu |\n| --- | ---: | ---: |")
+    for first, last in BLOCKS:
+        means = [statistics.mean(block_mean(c, first, last) for c in complete[who].values()) * 100
+                 for who in ("theirs", "fedemu")]
+        print(f"| {first}-{last} | {means[0]:.2f} | {means[1]:.2f} |")
+    print("\nEach run: mean of rounds 701-1000 and its standard deviation there (%)")
+    for who in ("theirs", "fedemu"):
+        for name, curve in complete[who].items():
+            late = curve[701:1001]
+            print(f"  {who:6s} {name:12s} {statistics.mean(late) * 100:6.2f}  sd {statistics.pstdev(late) * 100:.2f}")
+
+
+if __name__ == "__main__":
+    main()
