@@ -14,6 +14,7 @@ outlives the run. Its stdout streams the nodes' output back, one line per record
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -25,7 +26,6 @@ import tempfile
 import threading
 import tomllib
 import time
-import importlib.util
 from importlib import metadata
 from pathlib import Path
 
