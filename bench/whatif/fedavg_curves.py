@@ -1,7 +1,8 @@
 """Non-IID FedAvg's learning curves, fedemu's Table 1 records against Nilsson et al.'s
 cross-validation logs, in blocks of rounds (docs/results.md, "Non-IID FedAvg learns
-faster than theirs"): the mean accuracy of each block, and each run's spread over the last
-300 rounds (the standard deviation of its accuracy there, how much it oscillates).
+faster than theirs"): the mean accuracy of each block, and each run's mean and spread (the
+standard deviation of its accuracy, how much it oscillates) over rounds 51-100 and over
+the last 300.
 
     python bench/whatif/fedavg_curves.py --theirs PATH [--cell fedavg-noniid]
 
@@ -56,11 +57,16 @@ def main() -> None:
         means = [statistics.mean(block_mean(c, first, last) for c in complete[who].values()) * 100
                  for who in ("theirs", "fedemu")]
         print(f"| {first}-{last} | {means[0]:.2f} | {means[1]:.2f} |")
-    print("\nEach run: mean of rounds 701-1000 and its standard deviation there (%)")
+    print("\nEach run: mean and standard deviation (%) over rounds 51-100 and over rounds 701-1000")
+    spreads: dict[str, list[float]] = {"theirs": [], "fedemu": []}
     for who in ("theirs", "fedemu"):
         for name, curve in complete[who].items():
-            late = curve[701:1001]
-            print(f"  {who:6s} {name:12s} {statistics.mean(late) * 100:6.2f}  sd {statistics.pstdev(late) * 100:.2f}")
+            early, late = curve[51:101], curve[701:1001]
+            spreads[who].append(statistics.pstdev(early) * 100)
+            print(f"  {who:6s} {name:12s} {statistics.mean(early) * 100:6.2f} sd {statistics.pstdev(early) * 100:.2f}"
+                  f"   {statistics.mean(late) * 100:6.2f} sd {statistics.pstdev(late) * 100:.2f}")
+    print("mean standard deviation over rounds 51-100: "
+          + ", ".join(f"{who} {statistics.mean(values):.2f}" for who, values in spreads.items()))
 
 
 if __name__ == "__main__":
