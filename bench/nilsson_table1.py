@@ -159,14 +159,27 @@ def _key(record: dict) -> tuple[str, str]:
     return record.get("split", SPLIT), record["run"]
 
 
-def _common(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+def _common(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], list[str]]:
     """The runs the t-test pairs: the (seed, fold) pairs every algorithm has, of the one
-    split that has the most of them."""
+    split that has the most of them, cut to complete repetitions (a second repetition
+    under way would otherwise pass for a 2 x 3-fold design where 5 + 1 runs are); and
+    the pairs left out for that."""
+    from fedemu.launch.compare import complete_repetitions
+
     names = [set(map(_key, records)) for records in runs.values()]
     common = set.intersection(*names) if names else set()
     splits = sorted({split for split, _ in common}, key=lambda split: -sum(k[0] == split for k in common))
     common = {k for k in common if splits and k[0] == splits[0]}
-    return {algo: sorted((r for r in records if _key(r) in common), key=_key) for algo, records in runs.items()}
+    grid = complete_repetitions({_seed_fold(run) for _, run in common})
+    pending = sorted((run for _, run in common if _seed_fold(run) not in grid), key=_seed_fold)
+    common = {k for k in common if _seed_fold(k[1]) in grid}
+    return {algo: sorted((r for r in records if _key(r) in common), key=_key) for algo, records in runs.items()}, pending
+
+
+def _seed_fold(run: str) -> tuple[int, int]:
+    """'seed2-fold0' -> (2, 0)."""
+    seed, fold = run.split("-")
+    return int(seed.removeprefix("seed")), int(fold.removeprefix("fold"))
 
 
 def _split_mark(record: dict) -> str:
@@ -205,7 +218,7 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
     lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out} and {records})", ""]
     for partition in ("iid", "shards"):
         every = _runs_for(found, partition)
-        runs = _common(every)
+        runs, pending = _common(every)
         n = min(len(r) for r in runs.values())
         lines.append(f"## {PARTITION[partition]}")
         lines.append("")
@@ -229,7 +242,9 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
             lines += _at_budgets(every, theirs, partition) + [""]
         split = runs["fedavg"][0].get("split", SPLIT) if n else ""
         lines += [f"{n} (seed, fold) pairs of one split run for every algorithm ({split}): "
-                  f"{', '.join(r['run'] for r in runs['fedavg']) or 'none yet'}.", ""]
+                  f"{', '.join(r['run'] for r in runs['fedavg']) or 'none yet'}"
+                  + (f"; not in the t-test until their repetition is complete: {', '.join(pending)}" if pending else "")
+                  + ".", ""]
         if n < 2:
             lines += ["(the t-test needs at least 2 paired runs per algorithm)", ""]
             continue
