@@ -99,6 +99,21 @@ def test_a_term_is_cut_to_its_grid_exactly_whatever_the_array_it_comes_in():
         assert not one.state()["buckets"][0][2].any()
 
 
+def test_a_sum_whose_compiled_loop_cannot_load_is_left_as_it_was(monkeypatch):
+    """The loop compiles on a process's first addition; if that fails (numba missing or
+    broken), the addition raises and the sum has not counted it."""
+    import sys
+
+    from fedemu.worker.ml import exact_sum
+
+    one = ExactSum()
+    monkeypatch.setattr(exact_sum, "_fold_kernel", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    with pytest.raises(ImportError):
+        one.add(np.ones(4, np.float32), 3)
+    assert (one.total, one.terms, one.state()["buckets"]) == (0, 0, [])
+
+
 def test_many_terms_of_one_magnitude_stay_exact_past_the_float64_spill():
     """Over 4,096 terms of one exponent a bucket moves into int64; grouping still does
     not matter."""

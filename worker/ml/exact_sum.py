@@ -22,6 +22,7 @@ those that turn out not to count.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -36,27 +37,28 @@ _MAX_TERMS = 1 << 22
 _fold_kernel = None
 
 
-def _fold(partial: np.ndarray, update: np.ndarray, factor: float) -> None:
-    """partial += trunc(update * factor) in float64, element by element, in one pass.
+def _fold() -> Callable[[np.ndarray, np.ndarray, float], None]:
+    """fold(partial, update, factor): partial += trunc(update * factor) in float64, element
+    by element, in one pass.
 
     NumPy takes three (scale into a scratch vector, cut, add), and at 1,000 clients a
     round the bucket is out of cache each time: a quarter of a worker node's CPU went
     here. The compiled loop does the same float64 operations (update * factor is exact,
-    trunc is exact), so the integers are the same bits. Compiled on first use, and cached
-    on disk, so processes that never sum exactly do not import numba."""
+    trunc is exact), so the integers are the same bits. Compiled on a process's first
+    addition (about half a second), so a process that never adds never imports numba. Not cached on disk: numba's cache is not safe when several processes write it
+    at once (numba/numba#4807), which is how a run's worker nodes would, on their first
+    round."""
     global _fold_kernel
     if _fold_kernel is None:
         import numba
 
-        def kernel(partial, update, factor):
+        @numba.njit(nogil=True)
+        def kernel(partial, update, factor):  # pragma: no cover - compiled
             for i in range(update.shape[0]):
-                partial[i] += math.trunc(np.float64(update[i]) * factor)
+                partial[i] += np.trunc(np.float64(update[i]) * factor)
 
-        try:
-            _fold_kernel = numba.njit(cache=True, nogil=True)(kernel)
-        except RuntimeError:  # no writable cache directory (a read-only install, no home):
-            _fold_kernel = numba.njit(nogil=True)(kernel)  # compile in every process instead
-    _fold_kernel(partial, update, factor)
+        _fold_kernel = kernel
+    return _fold_kernel
 
 
 class _Bucket:
@@ -124,6 +126,7 @@ class ExactSum:
             raise ValueError(f"a sample count of {n}: counts are in 0..{MAX_COUNT}")
         if update.ndim != 1 or update.dtype != np.float32:
             raise ValueError(f"updates are flat float32 vectors, not {update.dtype} of shape {update.shape}")
+        fold = _fold()  # before anything changes: a first compile that fails leaves the sum as it was
         self._check_size(update.shape[0])
         self.total += sign * n
         self.terms += sign
@@ -143,7 +146,7 @@ class ExactSum:
         bucket = self._bucket(e)
         # In float64, where n u_k times a power of two is exact; trunc(-x) = -trunc(x), so
         # a subtraction takes back exactly the integers its addition added.
-        _fold(bucket.partial, update, sign * math.ldexp(float(n), FRACTION_BITS - e))
+        fold(bucket.partial, update, sign * math.ldexp(float(n), FRACTION_BITS - e))
         bucket.count += 1  # a subtraction counts too: it bounds |partial| as an addition does
         bucket.terms += 1
         if bucket.count == _SPILL_EVERY:
