@@ -14,7 +14,6 @@ outlives the run. Its stdout streams the nodes' output back, one line per record
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -90,9 +89,11 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
     except ImportError as exc:
         report["problems"].append(f"torch cannot be imported ({exc})")
     # Worker nodes import it on their first exact-sum addition (aggregation on the nodes):
-    # found missing here, not halfway through a run. Only looked up: importing takes a while.
-    if importlib.util.find_spec("numba") is None:
-        report["problems"].append("numba is not installed (an install without fedemu's dependencies?)")
+    # a missing or broken install is found here, not halfway through a run.
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:  # ImportError, or a mismatched llvmlite or NumPy
+        report["problems"].append(f"numba cannot be imported ({exc})")
     from fedemu.worker.ml import data, datasets, devices, models
 
     if device is not None:  # the worker nodes here train on it
