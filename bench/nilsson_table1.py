@@ -170,7 +170,7 @@ def _common(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], list[st
     common = set.intersection(*names) if names else set()
     splits = sorted({split for split, _ in common}, key=lambda split: -sum(k[0] == split for k in common))
     common = {k for k in common if splits and k[0] == splits[0]}
-    grid = complete_repetitions({_seed_fold(run) for _, run in common})
+    grid = complete_repetitions({_seed_fold(run) for _, run in common}, set(range(FOLDS)))
     pending = sorted((run for _, run in common if _seed_fold(run) not in grid), key=_seed_fold)
     common = {k for k in common if _seed_fold(k[1]) in grid}
     return {algo: sorted((r for r in records if _key(r) in common), key=_key) for algo, records in runs.items()}, pending
@@ -241,7 +241,7 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
         if theirs is not None:
             lines += _at_budgets(every, theirs, partition) + [""]
         split = runs["fedavg"][0].get("split", SPLIT) if n else ""
-        lines += [f"{n} (seed, fold) pairs of one split run for every algorithm ({split}): "
+        lines += [f"{n} (seed, fold) pairs in the t-test, of one split, run for every algorithm ({split}): "
                   f"{', '.join(r['run'] for r in runs['fedavg']) or 'none yet'}"
                   + (f"; not in the t-test until their repetition is complete: {', '.join(pending)}" if pending else "")
                   + ".", ""]
@@ -259,8 +259,11 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
                                     float(post.var), float(post.df), len(x), seeds)
             rows.append([f"{LABEL[a]} vs {LABEL[b]}", compare.verdict(result, a, 0.95), paper, f"{p_a:.3f}",
                          f"{p_rope:.3f}", f"{p_b:.3f}"])
-        lines += [f"Bayesian correlated t-test on {metric.replace('_', ' ')}: {seeds} repetition(s) of "
-                  f"{folds}-fold cross-validation; rope ±0.01, decided at 0.95.", ""] + _markdown(rows) + [""]
+        design = (f"{seeds} repetition(s) of {folds}-fold cross-validation" if folds == FOLDS else
+                  f"{folds} of the {FOLDS} folds of one repetition (baycomp takes them for {folds}-fold, "
+                  f"which widens its posterior)")
+        lines += [f"Bayesian correlated t-test on {metric.replace('_', ' ')}: {design}; rope ±0.01, decided at 0.95.",
+                  ""] + _markdown(rows) + [""]
     text = "\n".join(lines)
     (out / "table1.md").write_text(text + "\n\n![curves](curves.png)\n")
     _plot(out, found, theirs)

@@ -135,16 +135,16 @@ def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple,
     return out, len(seeds), len(folds)
 
 
-def complete_repetitions(pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:
+def complete_repetitions(pairs: set[tuple[int, int]], folds: set[int]) -> set[tuple[int, int]]:
     """The (seed, fold) pairs that form a full grid, as the correlated t-test's correction
-    assumes (every repetition on the same k folds): the seeds that have every fold any
-    seed has, or, while none has, the one seed with the most folds (ties: the lowest).
-    A repetition under way is left out until it is complete."""
-    folds = {fold for _, fold in pairs}
+    assumes (every repetition on the same k folds): the seeds that have all of ``folds``
+    (the design's), or, while none has, the one seed with the most folds (ties: the
+    lowest), a partial repetition whose posterior baycomp widens (it takes its folds for
+    k). A later repetition under way is left out until it is complete."""
     by_seed: dict[int, set[int]] = {}
     for seed, fold in pairs:
         by_seed.setdefault(seed, set()).add(fold)
-    complete = [seed for seed, have in by_seed.items() if have == folds]
+    complete = [seed for seed, have in by_seed.items() if have >= folds]
     if complete:
         return {(seed, fold) for seed in complete for fold in folds}
     if not by_seed:

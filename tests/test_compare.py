@@ -151,11 +151,12 @@ def test_runs_that_differ_only_where_it_cannot_matter_still_pair(tmp_path):
 def test_complete_repetitions_leave_out_a_repetition_under_way():
     """What a benchmark pairs while its second repetition runs: five folds of seed 1 and
     one of seed 2 are one repetition of 5-fold, not two of three."""
-    first = {(1, f) for f in range(5)}
-    assert compare.complete_repetitions(first | {(2, 0)}) == first
-    both = first | {(2, f) for f in range(5)}
-    assert compare.complete_repetitions(both) == both
-    # No repetition complete yet: the seed with the most folds, alone.
-    assert compare.complete_repetitions({(1, 0), (1, 1), (1, 2), (2, 0)}) == {(1, 0), (1, 1), (1, 2)}
-    assert compare.complete_repetitions({(2, 0), (3, 1)}) == {(2, 0)}
-    assert compare.complete_repetitions(set()) == set()
+    five = set(range(5))
+    first = {(1, f) for f in five}
+    assert compare.complete_repetitions(first | {(2, 0)}, five) == first
+    both = first | {(2, f) for f in five}
+    assert compare.complete_repetitions(both, five) == both
+    # The first repetition under way: its folds so far, alone (the later seed's left out).
+    assert compare.complete_repetitions({(1, 0), (1, 1), (1, 2), (2, 0)}, five) == {(1, 0), (1, 1), (1, 2)}
+    assert compare.complete_repetitions({(2, 0), (3, 1)}, five) == {(2, 0)}
+    assert compare.complete_repetitions(set(), five) == set()
