@@ -32,10 +32,18 @@ def theirs(path: Path, cell: str) -> dict[str, list[float]]:
 
 
 def ours(cell: str) -> dict[str, list[float]]:
+    """Each record's accuracy after round r at index r; a record not evaluated after every
+    round (FedAvg: 10 uploads a round, 100 clients) is left out, since blocks are rounds."""
     records = sorted(p for p in (ROOT / "bench" / "results" / "nilsson-table1" / cell).glob("seed*-fold*.json")
                      if "@" not in p.name)  # '@before-...': runs of an earlier split
-    return {p.stem: [float("nan")] + [accuracy for _, accuracy in json.loads(p.read_text())["curve"]]
-            for p in records}
+    curves = {}
+    for path in records:
+        curve = json.loads(path.read_text())["curve"]
+        if [round(uploads * 10) for uploads, _ in curve] != list(range(1, len(curve) + 1)):
+            print(f"(left out: {path.name} was not evaluated after every round)")
+            continue
+        curves[path.stem] = [float("nan")] + [accuracy for _, accuracy in curve]
+    return curves
 
 
 def block_mean(curve: list[float], first: int, last: int) -> float:
@@ -50,6 +58,9 @@ def main() -> None:
     runs = {"theirs": theirs(args.theirs, args.cell), "fedemu": ours(args.cell)}
     complete = {who: {name: c for name, c in curves.items() if len(c) > BLOCKS[-1][1]}
                 for who, curves in runs.items()}
+    for who, curves in complete.items():
+        if not curves:
+            raise SystemExit(f"no run of {who} has {BLOCKS[-1][1]} rounds")
     print(f"{args.cell}: mean accuracy (%) over each block of rounds, mean over runs "
           f"({len(complete['theirs'])} of theirs, {len(complete['fedemu'])} of fedemu's)")
     print("| rounds | theirs | fedemu |\n| --- | ---: | ---: |")

@@ -2,14 +2,16 @@
 loss their Keras clients computed, to test whether it explains fedemu's non-IID FedAvg
 learning faster than theirs (best at 10 uploads per client above all 15 of their runs).
 
-Their 2NN ends in a softmax, compiled with Keras 2's categorical cross-entropy, which
-clips the probabilities to [1e-7, 1 - 1e-7] before the log (TensorFlow backend): an
+Their 2NN ends in a softmax, compiled with Keras 2.1's categorical cross-entropy (their
+conda_environment.yaml: keras=2.1, tensorflow=1.10), which clips the probabilities to
+[1e-7, 1 - 1e-7] before the log (TensorFlow backend): an
 example whose label gets less than 1e-7 adds no gradient at all, where PyTorch's
 cross-entropy on logits gives it a full one. On non-IID shards a client's examples can
 be that far off under the global model; whether that happens often enough to matter is
 what this measures. It is a data set plug-in (MNIST with that loss) so the run is
-otherwise the benchmark's; it counts, per worker process, the examples below 1e-7 when
-FEDEMU_KERAS_COUNT names a file prefix.
+otherwise the benchmark's; it counts, per process, the training examples below 1e-7 when
+FEDEMU_KERAS_COUNT names a file prefix (evaluations, which run without gradients, are
+not counted).
 
     PYTHONPATH=bench/whatif FEDEMU_KERAS_COUNT=/tmp/kcount fedemu launch \\
         examples/fedavg-noniid-nilsson.toml --workers 2 --set data.folds=5 --set data.fold=0 \\
@@ -37,7 +39,7 @@ class KerasLossMnist(Mnist):
         probabilities = torch.softmax(logits, -1)
         probabilities = probabilities / probabilities.sum(-1, keepdim=True)  # as Keras renormalises
         picked = probabilities.gather(1, targets[:, None])[:, 0]
-        if os.environ.get("FEDEMU_KERAS_COUNT"):
+        if os.environ.get("FEDEMU_KERAS_COUNT") and torch.is_grad_enabled():
             with open(f"{os.environ['FEDEMU_KERAS_COUNT']}.{os.getpid()}", "a") as counts:
                 counts.write(f"{int((picked < _EPSILON).sum())} {picked.numel()}\n")
         # clamp, like tf.clip_by_value, passes no gradient outside the range
