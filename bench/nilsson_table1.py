@@ -248,8 +248,8 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
         if n < 2:
             lines += ["(the t-test needs at least 2 paired runs per algorithm)", ""]
             continue
-        seeds = len({r["run"].split("-")[0] for r in runs["fedavg"]})
-        folds = len({r["run"].split("-")[1] for r in runs["fedavg"]})
+        seeds = len({_seed_fold(r["run"])[0] for r in runs["fedavg"]})
+        folds = len({_seed_fold(r["run"])[1] for r in runs["fedavg"]})
         rows = [["row vs column", "fedemu", "paper", "P(row better)", "P(equivalent)", "P(column better)"]]
         for (a, b), paper in PAPER_TABLE[partition].items():
             x = np.array([r["summary"][metric] for r in runs[a]])

@@ -45,9 +45,9 @@ def _fold() -> Callable[[np.ndarray, np.ndarray, float], None]:
     round the bucket is out of cache each time: a quarter of a worker node's CPU went
     here. The compiled loop does the same float64 operations (update * factor is exact,
     trunc is exact), so the integers are the same bits. Compiled on a process's first
-    addition (about half a second), so a process that never adds never imports numba. Not cached on disk: numba's cache is not safe when several processes write it
-    at once (numba/numba#4807), which is how a run's worker nodes would, on their first
-    round."""
+    addition (about half a second), so a process that never adds never imports numba.
+    Not cached on disk: numba's cache is not safe when several processes write it at
+    once (numba/numba#4807), as a run's worker nodes would in their first round."""
     global _fold_kernel
     if _fold_kernel is None:
         import numba
