@@ -4,7 +4,11 @@ faster than theirs"): the mean accuracy of each block, and each run's mean and s
 standard deviation of its accuracy, how much it oscillates) over rounds 51-100 and over
 the last 300.
 
-    python bench/whatif/fedavg_curves.py --theirs PATH [--cell fedavg-noniid]
+    python bench/whatif/fedavg_curves.py --theirs PATH [--cell fedavg-noniid] [--runs DIR] [--their-folds 5]
+
+--runs DIR adds the run directories under DIR as a third side (e.g. the what-if runs on
+their own split, bench/whatif/their_folds.py); --their-folds keeps only their logs of those
+held-out folds (their numbering, 1-5).
 
 PATH: a checkout of FraunhoferChalmersCentre/fl-performance-evaluation. Their log's line r
 is the model after r rounds (line 0: the initial model); a record's curve point i is the
@@ -46,6 +50,17 @@ def ours(cell: str) -> dict[str, list[float]]:
     return curves
 
 
+def run_directories(folder: Path) -> dict[str, list[float]]:
+    """Each finished run directory's accuracy after round r at index r."""
+    from fedemu.server.runlog import read_events
+
+    curves = {}
+    for path in sorted(p for p in folder.iterdir() if (p / "summary.json").exists()):
+        rounds = [e for e in read_events(path) if e.get("event") == "round" and e.get("accuracy") is not None]
+        curves[path.name] = [float("nan")] + [e["accuracy"] for e in rounds]
+    return curves
+
+
 def block_mean(curve: list[float], first: int, last: int) -> float:
     return statistics.mean(curve[first:last + 1])
 
@@ -54,30 +69,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--theirs", type=Path, required=True, help="a checkout of their repository")
     parser.add_argument("--cell", default="fedavg-noniid", choices=sorted(FOLDERS))
+    parser.add_argument("--runs", type=Path, help="a folder of fedemu run directories, shown as a third side")
+    parser.add_argument("--their-folds", type=int, nargs="+", choices=range(1, 6),
+                        help="keep only their logs of these held-out folds")
     args = parser.parse_args()
     runs = {"theirs": theirs(args.theirs, args.cell), "fedemu": ours(args.cell)}
+    if args.their_folds:
+        runs["theirs"] = {name: c for name, c in runs["theirs"].items()
+                          if int(name.rsplit("_cv", 1)[1]) in args.their_folds}
+    if args.runs:
+        runs[args.runs.name] = run_directories(args.runs)
     complete = {who: {name: c for name, c in curves.items() if len(c) > BLOCKS[-1][1]}
                 for who, curves in runs.items()}
     for who, curves in complete.items():
         if not curves:
             raise SystemExit(f"no run of {who} has {BLOCKS[-1][1]} rounds")
-    print(f"{args.cell}: mean accuracy (%) over each block of rounds, mean over runs "
-          f"({len(complete['theirs'])} of theirs, {len(complete['fedemu'])} of fedemu's)")
-    print("| rounds | theirs | fedemu |\n| --- | ---: | ---: |")
+    sides = list(complete)
+    print(f"{args.cell}: mean accuracy (%) over each block of rounds, mean over runs ("
+          + ", ".join(f"{len(complete[who])} of {who}" for who in sides) + ")")
+    print("| rounds | " + " | ".join(sides) + " |\n| --- |" + " ---: |" * len(sides))
     for first, last in BLOCKS:
-        means = [statistics.mean(block_mean(c, first, last) for c in complete[who].values()) * 100
-                 for who in ("theirs", "fedemu")]
-        print(f"| {first}-{last} | {means[0]:.2f} | {means[1]:.2f} |")
-    print("\nEach run: mean and standard deviation (%) over rounds 51-100 and over rounds 701-1000")
-    spreads: dict[str, list[float]] = {"theirs": [], "fedemu": []}
-    for who in ("theirs", "fedemu"):
+        means = [statistics.mean(block_mean(c, first, last) for c in complete[who].values()) * 100 for who in sides]
+        print(f"| {first}-{last} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+    print("\nEach run: mean and standard deviation (%) over rounds 51-100 and over rounds 701-1000; then, over\n"
+          "rounds 701-1000, the rounds more than 1 point below the run's median and the deepest of them (points)")
+    spreads: dict[str, list[list[float]]] = {who: [[], []] for who in sides}
+    for who in sides:
         for name, curve in complete[who].items():
             early, late = curve[51:101], curve[701:1001]
-            spreads[who].append(statistics.pstdev(early) * 100)
+            spreads[who][0].append(statistics.pstdev(early) * 100)
+            spreads[who][1].append(statistics.pstdev(late) * 100)
+            median = statistics.median(late)
+            dips = [median - accuracy for accuracy in late if median - accuracy > 0.01]
             print(f"  {who:6s} {name:12s} {statistics.mean(early) * 100:6.2f} sd {statistics.pstdev(early) * 100:.2f}"
-                  f"   {statistics.mean(late) * 100:6.2f} sd {statistics.pstdev(late) * 100:.2f}")
-    print("mean standard deviation over rounds 51-100: "
-          + ", ".join(f"{who} {statistics.mean(values):.2f}" for who, values in spreads.items()))
+                  f"   {statistics.mean(late) * 100:6.2f} sd {statistics.pstdev(late) * 100:.2f}"
+                  f"   dips {len(dips):3d}, deepest {max(dips, default=0.0) * 100:5.1f}")
+    for i, rounds in enumerate(("51-100", "701-1000")):
+        print(f"median standard deviation over rounds {rounds}: "
+              + ", ".join(f"{who} {statistics.median(values[i]):.2f}" for who, values in spreads.items()))
 
 
 if __name__ == "__main__":
