@@ -17,16 +17,29 @@ Data set plug-ins, one per held-out fold (their numbering, 1-5, as in their log 
 held-out fold.
 
     python bench/whatif/their_folds.py          # checks the split against their notebook
+    python bench/whatif/their_folds.py --coverage sweeps/their-folds/cv5-seed1 5
     PYTHONPATH=bench/whatif fedemu launch examples/fedavg-noniid-nilsson.toml --workers 2 \\
         --set data.dataset=their_folds:NonIidCv5 --set data.partition=natural \\
         --set data.clients=100 --set run.seed=1 --out sweeps/their-folds/cv5-seed1
-    python bench/whatif/fedavg_curves.py --theirs PATH --extra sweeps/their-folds
+    python bench/whatif/fedavg_curves.py --theirs PATH --runs sweeps/their-folds
+
+``--first-round FOLDER THEIRS``: the accuracy after round 1 of every run under FOLDER (say
+40 one-round runs, ``for s in $(seq 1 40); do ... --set run.seed=$s --set run.rounds=1
+--out FOLDER/s$s; done`` with the command above), beside their 15 logs' (THEIRS: a
+checkout of their repository).
+
+``--coverage RUN HELD_OUT``: how a run's accuracy changed from round to round after round
+300, by how many digits the round's clients held together (a round whose clients miss
+several digits is the one a non-IID average can forget them in).
 
 Each data set has its own name, so its first run caches MNIST again under it.
 """
 from __future__ import annotations
 
+import math
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -144,5 +157,50 @@ def check_against_notebook() -> None:
     print(f"cars holding 1/2/3/4 digits: {held[0]}/{held[1]}/{held[2]}/{held[3]}")
 
 
+def coverage(run: Path, held_out: int) -> None:
+    from fedemu.server.runlog import read_events
+
+    images, labels = pooled()
+    parts = split(images, labels)
+    digits = [set(np.unique(labels[np.concatenate([parts[f][car] for f in range(FOLDS) if f != held_out - 1])]).tolist())
+              for car in range(len(parts[0]))]
+    rounds = [e for e in read_events(run) if e.get("event") == "round" and e.get("accuracy") is not None]
+    changes: dict[int, list[float]] = {}
+    for before, after in zip(rounds[299:], rounds[300:]):
+        covered = len(set().union(*(digits[car] for car in after["answered"])))
+        changes.setdefault(covered, []).append((after["accuracy"] - before["accuracy"]) * 100)
+    print(f"{run}: accuracy change from the round before (points), rounds 301-{rounds[-1]['round']}")
+    for covered in sorted(changes):
+        values = changes[covered]
+        print(f"  clients holding {covered:2d} digits: {len(values):4d} rounds, mean {np.mean(values):+.2f}, "
+              f"worst {min(values):+.2f}")
+
+
+def first_round(folder: Path, theirs: Path) -> None:
+    import csv
+    import statistics
+
+    from fedemu.server.runlog import read_events
+
+    ours = [next(e["accuracy"] for e in read_events(run) if e.get("event") == "round")
+            for run in sorted(folder.iterdir()) if (run / "summary.json").exists()]
+    logs = sorted((theirs / "benchmark_results" / "fedavg" / "cross_validations").glob("score_log_run*"))
+    # their line 0 is the initial model, line 1 the model after round 1
+    their = [float(list(csv.reader(log.open()))[1][1]) for log in logs]
+    for who, values in (("fedemu", ours), ("theirs", their)):
+        if len(values) < 2:
+            raise SystemExit(f"{who}: {len(values)} runs; need at least 2")
+        print(f"{who}: accuracy after round 1 over {len(values)} runs: mean {statistics.mean(values) * 100:.1f}%, "
+              f"sd {statistics.stdev(values) * 100:.1f}, range {min(values) * 100:.1f}-{max(values) * 100:.1f}")
+    error = math.sqrt(statistics.variance(ours) / len(ours) + statistics.variance(their) / len(their))
+    print(f"difference {(statistics.mean(ours) - statistics.mean(their)) * 100:.1f} points, "
+          f"standard error {error * 100:.1f}")
+
+
 if __name__ == "__main__":
-    check_against_notebook()
+    if sys.argv[1:2] == ["--first-round"]:
+        first_round(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1:2] == ["--coverage"]:
+        coverage(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        check_against_notebook()
