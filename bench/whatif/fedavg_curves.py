@@ -61,6 +61,12 @@ def run_directories(folder: Path) -> dict[str, list[float]]:
     return curves
 
 
+def drops(curve: list[float]) -> int:
+    """Rounds 200-1000 more than 2 points below both neighbours: a round that falls and
+    recovers at once."""
+    return sum(curve[r - 1] - curve[r] > 0.02 and curve[r + 1] - curve[r] > 0.02 for r in range(200, 1000))
+
+
 def block_mean(curve: list[float], first: int, last: int) -> float:
     return statistics.mean(curve[first:last + 1])
 
@@ -92,7 +98,8 @@ def main() -> None:
         means = [statistics.mean(block_mean(c, first, last) for c in complete[who].values()) * 100 for who in sides]
         print(f"| {first}-{last} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
     print("\nEach run: mean and standard deviation (%) over rounds 51-100 and over rounds 701-1000; then, over\n"
-          "rounds 701-1000, the rounds more than 1 point below the run's median and the deepest of them (points)")
+          "rounds 701-1000, the rounds more than 1 point below the run's median and the deepest of them (points);\n"
+          "then drops: rounds 200-1000 more than 2 points below both the round before and the round after")
     spreads: dict[str, list[list[float]]] = {who: [[], []] for who in sides}
     for who in sides:
         for name, curve in complete[who].items():
@@ -103,7 +110,8 @@ def main() -> None:
             dips = [median - accuracy for accuracy in late if median - accuracy > 0.01]
             print(f"  {who:6s} {name:12s} {statistics.mean(early) * 100:6.2f} sd {statistics.pstdev(early) * 100:.2f}"
                   f"   {statistics.mean(late) * 100:6.2f} sd {statistics.pstdev(late) * 100:.2f}"
-                  f"   dips {len(dips):3d}, deepest {max(dips, default=0.0) * 100:5.1f}")
+                  f"   dips {len(dips):3d}, deepest {max(dips, default=0.0) * 100:5.1f}"
+                  f"   drops {drops(curve):3d}")
     for i, rounds in enumerate(("51-100", "701-1000")):
         print(f"median standard deviation over rounds {rounds}: "
               + ", ".join(f"{who} {statistics.median(values[i]):.2f}" for who, values in spreads.items()))

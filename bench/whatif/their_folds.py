@@ -137,6 +137,12 @@ NOTEBOOK_CAR_DIGITS = (
     "23 58 14 089 03 0 789 36 28 019").split()
 
 
+def car_digits(labels: np.ndarray, parts: list[list[np.ndarray]], held_out: int) -> list[set[int]]:
+    """The digits each car trains on with fold ``held_out`` (1-5) held out."""
+    return [set(np.unique(labels[np.concatenate([parts[f][car] for f in range(FOLDS) if f != held_out - 1])]).tolist())
+            for car in range(len(parts[0]))]
+
+
 def check_against_notebook() -> None:
     images, labels = pooled()
     random.seed(SEED)
@@ -145,8 +151,7 @@ def check_against_notebook() -> None:
     first_four = [int(labels[i]) for i in order[:4]]
     parts = split(images, labels)
     counts = [tuple(int(c) for c in np.bincount(labels[np.concatenate(fold)], minlength=10)) for fold in parts]
-    digits = ["".join(str(d) for d in np.unique(labels[np.concatenate([parts[f][car] for f in range(4)])]))
-              for car in range(100)]
+    digits = ["".join(map(str, sorted(held))) for held in car_digits(labels, parts, held_out=5)]
     for what, ours, theirs in (("first four labels", first_four, NOTEBOOK_FIRST_FOUR),
                                ("digit counts per fold", counts, NOTEBOOK_FOLD_COUNTS),
                                ("digits of cars 1-100 (fold 5 held out)", digits, NOTEBOOK_CAR_DIGITS)):
@@ -162,8 +167,7 @@ def coverage(run: Path, held_out: int) -> None:
 
     images, labels = pooled()
     parts = split(images, labels)
-    digits = [set(np.unique(labels[np.concatenate([parts[f][car] for f in range(FOLDS) if f != held_out - 1])]).tolist())
-              for car in range(len(parts[0]))]
+    digits = car_digits(labels, parts, held_out)
     rounds = [e for e in read_events(run) if e.get("event") == "round" and e.get("accuracy") is not None]
     changes: dict[int, list[float]] = {}
     for before, after in zip(rounds[299:], rounds[300:]):
