@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -201,10 +200,29 @@ def first_round(folder: Path, theirs: Path) -> None:
           f"standard error {error * 100:.1f}")
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--first-round"]:
-        first_round(Path(sys.argv[2]), Path(sys.argv[3]))
-    elif sys.argv[1:2] == ["--coverage"]:
-        coverage(Path(sys.argv[2]), int(sys.argv[3]))
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Nilsson et al.'s non-IID split: check it against their "
+                                                 "notebook (no options), or read runs made on it.")
+    parser.add_argument("--first-round", nargs=2, metavar=("FOLDER", "THEIRS"), type=Path,
+                        help="accuracy after round 1 of the runs under FOLDER beside their logs (THEIRS: their checkout)")
+    parser.add_argument("--coverage", nargs=2, metavar=("RUN", "HELD_OUT"),
+                        help="a run's accuracy changes by the digits its rounds' clients held (HELD_OUT: 1-5)")
+    args = parser.parse_args()
+    for folder in [*(args.first_round or []), *(args.coverage or [])[:1]]:
+        if not Path(folder).is_dir():
+            parser.error(f"{folder} is not a folder")
+    if args.first_round:
+        first_round(*args.first_round)
+    elif args.coverage:
+        run, held_out = args.coverage
+        if held_out not in {"1", "2", "3", "4", "5"}:
+            parser.error(f"HELD_OUT is their fold number, 1-5, not {held_out!r}")
+        coverage(Path(run), int(held_out))
     else:
         check_against_notebook()
+
+
+if __name__ == "__main__":
+    main()
