@@ -180,16 +180,12 @@ def coverage(run: Path, held_out: int) -> None:
 
 
 def first_round(folder: Path, theirs: Path) -> None:
-    import csv
     import statistics
 
-    from fedemu.server.runlog import read_events
+    import fedavg_curves  # beside this file: both read curves indexed by rounds done
 
-    ours = [next(e["accuracy"] for e in read_events(run) if e.get("event") == "round")
-            for run in sorted(folder.iterdir()) if (run / "summary.json").exists()]
-    logs = sorted((theirs / "benchmark_results" / "fedavg" / "cross_validations").glob("score_log_run*"))
-    # their line 0 is the initial model, line 1 the model after round 1
-    their = [float(list(csv.reader(log.open()))[1][1]) for log in logs]
+    ours = [curve[1] for curve in fedavg_curves.run_directories(folder).values() if len(curve) > 1]
+    their = [curve[1] for curve in fedavg_curves.theirs(theirs, "fedavg-noniid").values()]
     for who, values in (("fedemu", ours), ("theirs", their)):
         if len(values) < 2:
             raise SystemExit(f"{who}: {len(values)} runs; need at least 2")
