@@ -296,16 +296,20 @@ def test_a_cache_without_recorded_hashes_is_not_trusted(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_second_launch_into_the_same_directory_fails_at_once_naming_the_first(tmp_path):
-    first, run_dir = tiny_launch(tmp_path, "algorithm.name=fedavg", "run.rounds=30")
+    # The first run cannot end on its own while the second starts, however slow the host
+    # is to start a launcher: it has 100,000 rounds, and is stopped by SIGTERM after.
+    first, run_dir = tiny_launch(tmp_path, *SYNC)
     wait_for(lambda: (run_dir / ".lock").exists() and (run_dir / ".lock").read_text().strip(), "no lock", proc=first)
-    second, _ = tiny_launch(tmp_path, "algorithm.name=fedavg", "run.rounds=30", out=run_dir)
-    output2, _ = second.communicate(timeout=60)
+    second, _ = tiny_launch(tmp_path, *SYNC, out=run_dir)
+    output2, _ = second.communicate(timeout=120)
+    assert first.poll() is None, "the first run ended before the second was refused"
+    first.send_signal(signal.SIGTERM)
     output1, _ = first.communicate(timeout=120)
-    assert second.returncode != 0 and first.returncode == 0, output1
+    assert second.returncode != 0, output2
     assert f"{run_dir} is in use by another run (pid {first.pid})" in output2
     events = assert_log_whole(run_dir)
     assert [e["event"] for e in events].count("start") == 1
-    assert summary_of(run_dir)["status"] == "completed"
+    assert summary_of(run_dir)["status"] == "interrupted", output1
     # Once it is over, the directory holds a finished run: a third launch is refused too.
     third, _ = tiny_launch(tmp_path, out=run_dir)
     output3, _ = third.communicate(timeout=60)
@@ -317,15 +321,19 @@ def test_a_second_sweep_into_the_same_directory_fails_naming_the_first(tmp_path)
     from .test_sweep import tiny_sweep
 
     spec = tiny_sweep(tmp_path)
+    # Points too long to end on their own while the second sweep starts, however slow the
+    # host; the first sweep is stopped by SIGTERM once the second has been refused.
+    spec.write_text(spec.read_text().replace("rounds = 2\n", "rounds = 100000\n"))
     argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(tmp_path / "sw")]
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _LAUNCHED.append(first)
     wait_for(lambda: (tmp_path / "sw" / ".lock").exists() and (tmp_path / "sw" / ".lock").read_text().strip(),
              "no sweep lock", proc=first)
-    second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    output, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, output
-    assert second.returncode != 0
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first sweep ended before the second was refused"
+    first.send_signal(signal.SIGTERM)
+    output, _ = first.communicate(timeout=120)
+    assert second.returncode != 0, second.stdout + second.stderr
     assert f"is in use by another `fedemu sweep` (pid {first.pid})" in second.stderr
 
 

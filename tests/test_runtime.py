@@ -440,42 +440,46 @@ def test_broker_drops_malformed_and_oversize_frames_and_keeps_serving(procs, tmp
     patience = 60.0
     broker = procs.broker("--max-message-bytes", "100000", heartbeat_timeout=patience)
     procs.peer("peer", broker, heartbeat_timeout=patience)
-    evil = _raw_socket(broker, b"evil")
-    hello = wire.encode(wire.CTL, Pid("evil", 0), Pid("$broker", 0), {"op": "hello"})
-    evil.send_multipart(hello)
-    assert evil.poll(5000), "broker did not welcome the raw node"
-    evil.recv_multipart()
-    garbage = [
-        [b""],  # no body
-        [b"\xc1\xff\x00", b"x"],  # not msgpack
-        [msgpack.packb([1, 0, "evil", 0]), b""],  # short header
-        [msgpack.packb([99, 0, "evil", 0, "peer", 1]), msgpack.packb(None)],  # wrong version
-        [msgpack.packb([1, 0, "mallory", 0, "peer", 1]), msgpack.packb(None)],  # spoofed source
-        wire.encode(wire.USER, Pid("evil", 1), "nobody/here", "hi"),  # unknown name
-        wire.encode(wire.USER, Pid("evil", 1), Pid("ghost-node", 1), "hi"),  # unknown node
-        wire.encode(wire.USER, Pid("evil", 1), "peer/echo", np.zeros(200_000, np.uint8)),  # oversize
-        [msgpack.packb([1, 1, "evil", 0, "$broker", 0]), b"\x93\x01"],  # truncated control body
-    ]
-    for frames in garbage:
-        evil.send_multipart(frames)
-    # A body the broker does not read but the peer must reject: array frame missing.
-    evil.send_multipart([wire.pack_header(wire.USER, Pid("evil", 1), "peer/echo"),
-                         msgpack.packb(msgpack.ExtType(2, msgpack.packb([0, "<f4", [10]])))])
-    # A barrier: the broker handles one connection's messages in order, so once it has
-    # answered this request it has judged everything above, and forwarded the last one
-    # to the peer ahead of anything the observer below will send there.
-    evil.send_multipart(wire.encode(wire.CTL, Pid("evil", 0), Pid("$broker", 0), {"op": "stats", "ref": 1}))
-    deadline = time.monotonic() + 30
-    while True:
-        assert evil.poll(max(deadline - time.monotonic(), 0) * 1000), "the broker did not answer the raw node"
-        _, body = wire.decode(evil.recv_multipart(copy=False), wire.DEFAULT_MAX_MESSAGE_BYTES)
-        if body.get("op") == "reply" and body.get("ref") == 1:
-            break
     n = Node("observer", broker, heartbeat_interval=0.1, heartbeat_timeout=patience).start()
     try:
+        # The peer registers its echo process after it starts: only then is a message to
+        # peer/echo the peer's to judge, not an unknown destination.
+        run_in_process(n, lambda proc: whereis(proc, "peer/echo", timeout=patience), timeout=patience)
+        evil = _raw_socket(broker, b"evil")
+        hello = wire.encode(wire.CTL, Pid("evil", 0), Pid("$broker", 0), {"op": "hello"})
+        evil.send_multipart(hello)
+        assert evil.poll(5000), "broker did not welcome the raw node"
+        evil.recv_multipart()
+        garbage = [
+            [b""],  # no body
+            [b"\xc1\xff\x00", b"x"],  # not msgpack
+            [msgpack.packb([1, 0, "evil", 0]), b""],  # short header
+            [msgpack.packb([99, 0, "evil", 0, "peer", 1]), msgpack.packb(None)],  # wrong version
+            [msgpack.packb([1, 0, "mallory", 0, "peer", 1]), msgpack.packb(None)],  # spoofed source
+            wire.encode(wire.USER, Pid("evil", 1), "nobody/here", "hi"),  # unknown name
+            wire.encode(wire.USER, Pid("evil", 1), Pid("ghost-node", 1), "hi"),  # unknown node
+            wire.encode(wire.USER, Pid("evil", 1), "peer/echo", np.zeros(200_000, np.uint8)),  # oversize
+            [msgpack.packb([1, 1, "evil", 0, "$broker", 0]), b"\x93\x01"],  # truncated control body
+        ]
+        for frames in garbage:
+            evil.send_multipart(frames)
+        # A body the broker does not read but the peer must reject: array frame missing.
+        evil.send_multipart([wire.pack_header(wire.USER, Pid("evil", 1), "peer/echo"),
+                             msgpack.packb(msgpack.ExtType(2, msgpack.packb([0, "<f4", [10]])))])
+        # A barrier: the broker handles one connection's messages in order, so once it has
+        # answered this request it has judged everything above, and forwarded the last one
+        # to the peer ahead of anything the observer below will send there.
+        evil.send_multipart(wire.encode(wire.CTL, Pid("evil", 0), Pid("$broker", 0), {"op": "stats", "ref": 1}))
+        deadline = time.monotonic() + 30
+        while True:
+            assert evil.poll(max(deadline - time.monotonic(), 0) * 1000), "the broker did not answer the raw node"
+            _, body = wire.decode(evil.recv_multipart(copy=False), wire.DEFAULT_MAX_MESSAGE_BYTES)
+            if body.get("op") == "reply" and body.get("ref") == 1:
+                break
+
         def body(proc):
             proc.send(whereis(proc, "peer/echo"), "still there?")
-            return proc.receive(str, timeout=5)
+            return proc.receive(str, timeout=patience)
 
         assert run_in_process(n, body).body == "still there?"
         stats = n.broker_stats()
