@@ -139,8 +139,7 @@ class KerasCars:
     def train(self, car: int, start: list[np.ndarray], x: np.ndarray, y: np.ndarray, seed: int) -> list[np.ndarray]:
         model = self._model(car)
         model.set_weights([w.astype(np.float32) for w in start])
-        self.tf.keras.utils.set_random_seed(seed)  # fit's shuffle draws from numpy's global RNG
-        np.random.seed(seed)
+        self.tf.keras.utils.set_random_seed(seed)  # Python's, numpy's and TensorFlow's: fit's shuffle
         model.fit(x, np.eye(10, dtype=np.float32)[y], epochs=EPOCHS, batch_size=BATCH, shuffle=True, verbose=0)
         return [w.astype(np.float64) for w in model.get_weights()]
 
