@@ -161,13 +161,18 @@ def torch_device(setting: str) -> torch.device:
 def use_device(device: torch.device) -> str:
     """Prepare this process to train on ``device``; returns how the run log names it.
     On a GPU, kernels are made deterministic where torch can (cuBLAS's fixed workspace,
-    no cuDNN autotuning): reruns on the same GPU, driver and torch repeat; a GPU's
-    numbers differ from a CPU's in the last bits."""
+    no cuDNN autotuning) and compute in full float32 (no TF32): reruns on the same GPU,
+    driver and torch repeat; a GPU's numbers differ from a CPU's in the last bits."""
     if device.type != "cuda":
         return "cpu"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
+    # Full float32, as on the CPU: torch lets cuDNN's convolutions and LSTMs round their
+    # inputs to TF32 (a 10-bit mantissa) on Ampere and later GPUs by default, which moved
+    # a CNN's weights 1e-3 from the CPU's within ten steps on an H200.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)  # warn, not fail, where an op has no such kernel
     torch.cuda.set_device(device)
     return f"{device} ({torch.cuda.get_device_name(device)})"
