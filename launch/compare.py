@@ -23,7 +23,7 @@ from . import config as configuration
 from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
-from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_run, load_sweep
+from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_record, load_run, load_sweep
 
 
 class CompareError(ValueError):
@@ -57,8 +57,10 @@ def collect(paths: list[str | Path], where: list[str] = ()) -> list[Run]:
             runs += [r for r in data.runs]
         elif (p / "config.toml").exists():
             runs.append(load_run(p))
+        elif p.is_file() and p.suffix == ".json":
+            runs.append(load_record(p))
         else:
-            raise CompareError(f"{p} is neither a run directory nor a sweep directory")
+            raise CompareError(f"{p} is neither a run directory, a sweep directory nor a run record (.json)")
     for cond in where:
         key, sep, raw = cond.partition("=")
         if not sep:

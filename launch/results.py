@@ -161,6 +161,21 @@ def load_run(path: str | Path, params: dict | None = None) -> Run:
     return Run(path, config, summary, curve(events, scale), dict(params or {}))
 
 
+def load_record(path: str | Path) -> Run:
+    """A run kept as one JSON file, ``{"config": {...}, "summary": {...}, ...}``, as
+    bench/nilsson_table1.py keeps its runs in the repository: enough to compare (no
+    curve; the run directory is gone)."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{path}: not a readable run record ({exc})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict) \
+            or not isinstance(record.get("summary"), dict):
+        raise ReportError(f"{path}: a run record needs a 'config' and a 'summary' object")
+    return Run(path, with_current_defaults(record["config"]), record["summary"], curve([]))
+
+
 def flat(config: dict, prefix: str = "") -> dict:
     """{"section.key": value} for every leaf of a config (tables of tables included)."""
     out = {}

@@ -111,7 +111,7 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
 
 
 @click.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--by", default="algorithm.name", show_default=True, help="Config key whose values are compared.")
 @click.option("--metric", default="final_accuracy", show_default=True,
               type=click.Choice(["final_accuracy", "best_accuracy"]))
@@ -121,8 +121,9 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
 @click.option("--out", type=click.Path(file_okay=False), help="Folder for compare.md and the posterior plots.")
 def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: float, where: tuple[str, ...],
             out: str | None) -> None:
-    """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps
-    or run directories), paired by seed and fold, as Nilsson et al. 2018 did."""
+    """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps,
+    run directories or run records: the .json files bench/nilsson_table1.py keeps), paired
+    by seed and fold, as Nilsson et al. 2018 did."""
     from .compare import CompareError, run
     from .results import ReportError
 

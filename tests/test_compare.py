@@ -160,3 +160,30 @@ def test_complete_repetitions_leave_out_a_repetition_under_way():
     assert compare.complete_repetitions({(1, 0), (1, 1), (1, 2), (2, 0)}, five) == {(1, 0), (1, 1), (1, 2)}
     assert compare.complete_repetitions({(2, 0), (3, 1)}, five) == {(2, 0)}
     assert compare.complete_repetitions(set(), five) == set()
+
+
+def test_run_records_compare_as_their_run_directories(tmp_path):
+    """A run kept as one JSON file (config and summary, as bench/nilsson_table1.py keeps
+    Table 1's runs) pairs and tests exactly as its run directory did."""
+    import json
+    import tomllib
+
+    dirs = make_runs(tmp_path / "runs", names=("fedavg", "fsvrg"))
+    records = []
+    for run_dir in dirs:
+        record = tmp_path / "records" / f"{run_dir.name}.json"
+        record.parent.mkdir(exist_ok=True)
+        record.write_text(json.dumps({"cell": run_dir.name,
+                                      "config": tomllib.loads((run_dir / "config.toml").read_text()),
+                                      "summary": json.loads((run_dir / "summary.json").read_text())}))
+        records.append(record)
+    from_dirs, _, _ = compare.compare(compare.collect(dirs), metric="best_accuracy", rope=0.01)
+    from_records, _, _ = compare.compare(compare.collect(records), metric="best_accuracy", rope=0.01)
+    assert [(r.a, r.b, r.p_a, r.p_rope, r.p_b, r.runs) for r in from_records] == \
+        [(r.a, r.b, r.p_a, r.p_rope, r.p_b, r.runs) for r in from_dirs]
+    assert from_records[0].n == 15  # paired runs: 3 repetitions x 5 folds
+
+    broken = tmp_path / "records" / "broken.json"
+    broken.write_text(json.dumps({"summary": {"best_accuracy": 0.9}}))  # no config
+    result = CliRunner().invoke(main, ["compare", *map(str, records), str(broken), "--out", str(tmp_path / "cmp")])
+    assert result.exit_code != 0 and f"{broken}: a run record needs a 'config' and a 'summary'" in result.output
