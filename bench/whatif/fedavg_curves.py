@@ -6,6 +6,12 @@ the last 300.
 
     python bench/whatif/fedavg_curves.py --theirs PATH [--cell fedavg-noniid] [--runs DIR] [--their-folds 5]
 
+    python bench/whatif/fedavg_curves.py --theirs PATH --overlap
+
+--overlap: which of their FedAvg runs ran while another FedAvg run was going (their log
+names carry each run's start; a run alone took about RUN_S), and each run's mean and dips
+over rounds 701-1000, the runs alone against the overlapping ones.
+
 --runs DIR adds the run directories under DIR as a third side (e.g. the what-if runs on
 their own split, bench/whatif/their_folds.py); --their-folds keeps only their logs of those
 held-out folds (their numbering, 1-5).
@@ -67,6 +73,45 @@ def drops(curve: list[float]) -> int:
     return sum(curve[r - 1] - curve[r] > 0.02 and curve[r + 1] - curve[r] > 0.02 for r in range(200, 1000))
 
 
+# How long one of their FedAvg runs took alone: their IID repetition 2 started its five
+# folds 6,610, 6,681, 6,621 and 6,610 s apart, one after another.
+RUN_S = 6600
+
+
+def late_dips(curve: list[float]) -> list[float]:
+    """Rounds 701-1000 more than 1 point below the run's median over them: how far below."""
+    late = curve[701:1001]
+    median = statistics.median(late)
+    return [median - accuracy for accuracy in late if median - accuracy > 0.01]
+
+
+def overlap(path: Path) -> None:
+    """Their FedAvg cross-validation runs, each marked alone or overlapping (another FedAvg
+    run of any of their experiments, which share run id 2, started less than RUN_S before
+    it or after it), with the mean and dips over rounds 701-1000 of each, then of each group."""
+    starts = {log: int(log.name.split("_id")[1][:10])
+              for log in (path / "benchmark_results" / "fedavg").glob("*/score_log*_id*.csv")}
+    groups: dict[tuple[str, bool], list[tuple[float, int]]] = {}
+    print("| their run | start (Unix s) | overlapping | mean 701-1000 (%) | rounds > 1 point below median |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    for cell, folder in sorted(FOLDERS.items()):
+        for log in sorted((path / "benchmark_results" / folder).glob("score_log_run*"), key=starts.get):
+            start = starts[log]
+            others = sorted(f"{other.parent.name}/{other.name.split('_id')[0].removeprefix('score_log')}"
+                            .replace("/_", "/").rstrip("/")
+                            for other, t in starts.items() if other != log and abs(t - start) < RUN_S)
+            curve = [float(row[1]) for row in csv.reader(log.open()) if row]
+            mean, dips = statistics.mean(curve[701:1001]) * 100, len(late_dips(curve))
+            groups.setdefault((cell, bool(others)), []).append((mean, dips))
+            name = log.name.split("_id")[0].removeprefix("score_log_")
+            print(f"| {cell} {name} | {start} | {', '.join(others) or 'alone'} | {mean:.2f} | {dips} |")
+    print()
+    for (cell, overlapping), runs in sorted(groups.items()):
+        means = [m for m, _ in runs]
+        print(f"{cell}, {'overlapping' if overlapping else 'alone'}: {len(runs)} runs, mean 701-1000 "
+              f"{statistics.mean(means):.2f}% ({min(means):.2f}-{max(means):.2f}), dips {[d for _, d in runs]}")
+
+
 def block_mean(curve: list[float], first: int, last: int) -> float:
     return statistics.mean(curve[first:last + 1])
 
@@ -78,7 +123,12 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, help="a folder of fedemu run directories, shown as a third side")
     parser.add_argument("--their-folds", type=int, nargs="+", choices=range(1, 6),
                         help="keep only their logs of these held-out folds")
+    parser.add_argument("--overlap", action="store_true",
+                        help="their runs alone against those that overlapped another FedAvg run")
     args = parser.parse_args()
+    if args.overlap:
+        overlap(args.theirs)
+        return
     runs = {"theirs": theirs(args.theirs, args.cell), "fedemu": ours(args.cell)}
     if args.their_folds:
         runs["theirs"] = {name: c for name, c in runs["theirs"].items()
@@ -106,8 +156,7 @@ def main() -> None:
             early, late = curve[51:101], curve[701:1001]
             spreads[who][0].append(statistics.pstdev(early) * 100)
             spreads[who][1].append(statistics.pstdev(late) * 100)
-            median = statistics.median(late)
-            dips = [median - accuracy for accuracy in late if median - accuracy > 0.01]
+            dips = late_dips(curve)
             print(f"  {who:6s} {name:12s} {statistics.mean(early) * 100:6.2f} sd {statistics.pstdev(early) * 100:.2f}"
                   f"   {statistics.mean(late) * 100:6.2f} sd {statistics.pstdev(late) * 100:.2f}"
                   f"   dips {len(dips):3d}, deepest {max(dips, default=0.0) * 100:5.1f}"
