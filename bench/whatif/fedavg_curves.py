@@ -37,8 +37,16 @@ def theirs(path: Path, cell: str) -> dict[str, list[float]]:
     logs = sorted((path / "benchmark_results" / FOLDERS[cell]).glob("score_log_run*"))
     if not logs:
         raise SystemExit(f"no score_log_run* under {path}/benchmark_results/{FOLDERS[cell]}")
-    return {log.name.split("_id")[0].removeprefix("score_log_"):
-            [float(row[1]) for row in csv.reader(log.open()) if row] for log in logs}
+    return {run_name(log): accuracies(log) for log in logs}
+
+
+def run_name(log: Path) -> str:
+    """'run1_cv3' for their cross-validation logs; '' for logs named by id alone."""
+    return log.name.split("_id")[0].removeprefix("score_log").lstrip("_")
+
+
+def accuracies(log: Path) -> list[float]:
+    return [float(row[1]) for row in csv.reader(log.open()) if row]
 
 
 def ours(cell: str) -> dict[str, list[float]]:
@@ -97,14 +105,12 @@ def overlap(path: Path) -> None:
     for cell, folder in sorted(FOLDERS.items()):
         for log in sorted((path / "benchmark_results" / folder).glob("score_log_run*"), key=starts.get):
             start = starts[log]
-            others = sorted(f"{other.parent.name}/{other.name.split('_id')[0].removeprefix('score_log')}"
-                            .replace("/_", "/").rstrip("/")
+            others = sorted(f"{other.parent.name}/{run_name(other)}".rstrip("/")
                             for other, t in starts.items() if other != log and abs(t - start) < RUN_S)
-            curve = [float(row[1]) for row in csv.reader(log.open()) if row]
+            curve = accuracies(log)
             mean, dips = statistics.mean(curve[701:1001]) * 100, len(late_dips(curve))
             groups.setdefault((cell, bool(others)), []).append((mean, dips))
-            name = log.name.split("_id")[0].removeprefix("score_log_")
-            print(f"| {cell} {name} | {start} | {', '.join(others) or 'alone'} | {mean:.2f} | {dips} |")
+            print(f"| {cell} {run_name(log)} | {start} | {', '.join(others) or 'alone'} | {mean:.2f} | {dips} |")
     print()
     for (cell, overlapping), runs in sorted(groups.items()):
         means = [m for m, _ in runs]
