@@ -23,8 +23,10 @@ deadline), with data.folds = 5, data.fold, run.seed and data.partition set per r
 The report (OUT/table1.md, printed too): fedemu's Table 1 for each partition beside the
 paper's, on the metric the paper's notebook compared (the best held-out accuracy of a
 run: `best_accuracy`), then the mean final and best accuracy of every cell beside the
-authors' means (their notebooks/cross_validations.ipynb), and OUT/curves.png: accuracy
-against uploads per client, the mean over folds with the range across them.
+authors' means (their notebooks/cross_validations.ipynb); with --theirs, the best accuracy
+at a few upload budgets and each repetition's mean on both sides (how far one
+repetition moves); and OUT/curves.png: accuracy against uploads per client, the mean
+over folds with the range across them.
 """
 from __future__ import annotations
 
@@ -240,6 +242,7 @@ def report(out: Path, metric: str, theirs: Path | None = None, records: Path = R
         lines += _markdown(means) + [""]
         if theirs is not None:
             lines += _at_budgets(every, theirs, partition) + [""]
+            lines += _by_repetition(every, theirs, partition) + [""]
         split = runs["fedavg"][0].get("split", SPLIT) if n else ""
         lines += [f"{n} (seed, fold) pairs in the t-test, of one split, run for every algorithm ({split}): "
                   f"{', '.join(r['run'] for r in runs['fedavg']) or 'none yet'}"
@@ -358,6 +361,26 @@ def _at_budgets(every: dict[str, list[dict]], theirs: Path, partition: str) -> l
         rows.append([LABEL[algo]] + cells)
     return ["Best accuracy so far (%) at an upload budget, fedemu's runs against their "
             "cross-validation logs:", ""] + _markdown(rows)
+
+
+def _by_repetition(every: dict[str, list[dict]], theirs: Path, partition: str) -> list[str]:
+    """Mean best accuracy within the budget, repetition by repetition: how far one
+    repetition's mean moves, on both sides. Their logs sort by start time, five folds a
+    repetition (their notebook's table took the first ten)."""
+    rows = [["algorithm", "fedemu, each repetition (runs)", "theirs, each repetition (runs)"]]
+    for algo in ORDER[:3]:
+        mine: dict[int, list[float]] = {}
+        for record in every[algo]:
+            curve = _record_curve(record)
+            if curve is not None:
+                mine.setdefault(_seed_fold(record["run"])[0], []).extend(_best_at([curve], BUDGET))
+        published = [_best_at([c], BUDGET)[0] for c in their_curves(theirs, algo, partition)]
+        repetitions = [published[i:i + FOLDS] for i in range(0, len(published), FOLDS)]
+        rows.append([LABEL[algo],
+                     " / ".join(f"{np.mean(v):.2f} ({len(v)})" for _, v in sorted(mine.items())) or "-",
+                     " / ".join(f"{np.mean(v):.2f} ({len(v)})" for v in repetitions) or "-"])
+    return [f"Mean best accuracy (%) within {BUDGET} uploads per client, one repetition of the "
+            "cross-validation at a time:", ""] + _markdown(rows)
 
 
 def _markdown(rows: list[list[str]]) -> list[str]:
