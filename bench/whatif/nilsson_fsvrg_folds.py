@@ -91,9 +91,9 @@ def report(partition: str, theirs: Path | None) -> str:
     for label, curves in variants.items():
         for fold, curve in sorted(curves.items()):
             rows.append(_row(f"{label}, fold {fold}", [curve]))
-        if curves:
+        if len(curves) > 1:
             rows.append(_row(f"{label}, mean of folds {', '.join(map(str, sorted(curves)))}", list(curves.values())))
-        if common and len(common) < len(curves):  # the same folds as the variants run on fewer
+        if 1 < len(common) < len(curves):  # the same folds as the variants run on fewer
             rows.append(_row(f"{label}, mean of folds {', '.join(map(str, common))}", [curves[f] for f in common]))
     if theirs is not None:
         published = table1.their_curves(theirs, "fsvrg", partition)
