@@ -84,10 +84,9 @@ def report(partition: str, theirs: Path | None) -> str:
     folds = list(range(table1.FOLDS))
     variants = {"Algorithm 2 (fedemu)": _curves(table1.RECORDS, CELL_OF[partition], folds)}
     variants.update({f"gradient over {g}": _curves(RECORDS, cell(g, partition), folds) for g in GRADIENTS})
-    rows = [["best accuracy so far (%) at uploads per client"]
-            + [f"{u}" for u in table1.AT_UPLOADS]]
-    run = [curves for curves in variants.values() if curves]
-    common = sorted(set.intersection(*(set(curves) for curves in run))) if run else []
+    rows = [["best accuracy so far (%) at uploads per client"] + [f"{u}" for u in table1.AT_UPLOADS]]
+    present = [set(curves) for curves in variants.values() if curves]
+    common = sorted(set.intersection(*present)) if present else []
     for label, curves in variants.items():
         for fold, curve in sorted(curves.items()):
             rows.append(_row(f"{label}, fold {fold}", [curve]))
