@@ -125,31 +125,41 @@ def load_records(out: Path, records: Path) -> dict[str, dict[str, dict]]:
     return found
 
 
+def launch_and_record(path: Path, records: Path, cell: str, example: str, settings: dict, label: str,
+                      workers: int, env: dict | None = None) -> dict:
+    """Run one config from scratch into PATH (what an interrupted run left is removed) and
+    keep it as a record; stop the benchmark, with the run's stderr, if it fails."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "fedemu.launch", "launch", str(EXAMPLES / example), "--out", str(path),
+               "--workers", str(workers)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    started = time.monotonic()
+    print(f"{label} ...", end=" ", flush=True)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    took = time.monotonic() - started
+    if done.returncode != 0 or not completed(path):
+        print(f"FAILED after {took:.0f} s (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
+        raise SystemExit(1)
+    record = write_record(records, cell, path)
+    summary = record["summary"]
+    print(f"final {summary['final_accuracy']:.4f} best {summary['best_accuracy']:.4f} in {took:.0f} s", flush=True)
+    return record
+
+
 def run_missing(out: Path, seeds: list[int], folds: list[int], cells: list[tuple], workers: int,
                 records: Path) -> None:
     todo = [(s, f, c) for s in seeds for f in folds for c in cells
             if not completed(run_dir(out, c[0], s, f)) and not record_path(records, c[0], f"seed{s}-fold{f}").exists()]
     print(f"{len(todo)} runs to go in {out}", flush=True)
     for i, (seed, fold, (cell, example, _, partition)) in enumerate(todo, 1):
-        path = run_dir(out, cell, seed, fold)
-        if path.exists():  # an interrupted run: start it again from scratch
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "fedemu.launch", "launch", str(EXAMPLES / example), "--out", str(path),
-                   "--workers", str(workers), "--set", f"data.folds={FOLDS}", "--set", f"data.fold={fold}",
-                   "--set", f"run.seed={seed}", "--set", f"data.partition={partition}",
-                   # Their fold notebook sorted (label, image bytes) before cutting shards.
-                   "--set", "data.shard_order=pixels"]
-        started = time.monotonic()
-        print(f"[{i}/{len(todo)}] {cell} seed {seed} fold {fold} ...", end=" ", flush=True)
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        took = time.monotonic() - started
-        if done.returncode != 0 or not completed(path):
-            print(f"FAILED after {took:.0f} s (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
-            raise SystemExit(1)
-        summary = write_record(records, cell, path)["summary"]
-        print(f"final {summary['final_accuracy']:.4f} best {summary['best_accuracy']:.4f} in {took:.0f} s",
-              flush=True)
+        settings = {"data.folds": FOLDS, "data.fold": fold, "run.seed": seed, "data.partition": partition,
+                    # Their fold notebook sorted (label, image bytes) before cutting shards.
+                    "data.shard_order": "pixels"}
+        launch_and_record(run_dir(out, cell, seed, fold), records, cell, example, settings,
+                          f"[{i}/{len(todo)}] {cell} seed {seed} fold {fold}", workers)
 
 
 def _runs_for(found: dict[str, dict[str, dict]], partition: str) -> dict[str, list[dict]]:

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,27 +40,13 @@ def run(out: Path, gradient: str, partition: str, fold: int, workers: int) -> No
     path = table1.run_dir(out, cell(gradient, partition), SEED, fold)
     if table1.completed(path) or table1.record_path(RECORDS, cell(gradient, partition), path.name).exists():
         return
-    if path.exists():
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     settings = {"algorithm.name": "nilsson_fsvrg:FSVRGTheirFullGradient", "algorithm.gradient_over": gradient,
                 "algorithm.held_out_seed": SEED, "algorithm.held_out_fold": fold,
                 "algorithm.held_out_partition": partition, "data.partition": partition,
                 "data.folds": table1.FOLDS, "data.fold": fold, "run.seed": SEED, "data.shard_order": "pixels"}
-    command = [sys.executable, "-m", "fedemu.launch", "launch", str(table1.EXAMPLES / "fsvrg-noniid-nilsson.toml"),
-               "--out", str(path), "--workers", str(workers)]
-    for key, value in settings.items():
-        command += ["--set", f"{key}={value}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    started = time.monotonic()
-    print(f"{cell(gradient, partition)} fold {fold} ...", end=" ", flush=True)
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    took = time.monotonic() - started
-    if done.returncode != 0 or not table1.completed(path):
-        print(f"FAILED after {took:.0f} s (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
-        raise SystemExit(1)
-    summary = table1.write_record(RECORDS, cell(gradient, partition), path)["summary"]
-    print(f"final {summary['final_accuracy']:.4f} best {summary['best_accuracy']:.4f} in {took:.0f} s", flush=True)
+    table1.launch_and_record(path, RECORDS, cell(gradient, partition), "fsvrg-noniid-nilsson.toml", settings,
+                             f"{cell(gradient, partition)} fold {fold}", workers, env=env)
 
 
 def _curves(records: Path, name: str, folds: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
