@@ -1,0 +1,113 @@
+"""FedAvg on McMahan et al.'s MNIST 2NN, written from the paper alone, in one process: an
+independent check of fedemu's rounds to 97% (docs/results.md, "The default job").
+
+Nothing of fedemu's is used but the MNIST arrays it caches (`fedemu data fetch mnist`):
+the IID split (a permutation cut into 100 clients of 600), the 2NN (PyTorch's default
+initialisation, or Glorot-uniform weights and zero biases as TensorFlow's dense layers
+start), client selection, local SGD (torch.optim.SGD, E epochs of B-minibatches in a fresh
+order each epoch), the n_k-weighted average and the evaluation are written here, from
+Algorithm 1. Rounds to the target are counted as the paper's Table 1 counts them: on the
+best-so-far test accuracy, interpolated linearly between rounds.
+
+    python bench/whatif/plain_fedavg.py --lr 0.1 --seeds 1 2 3 [--init glorot] [--rounds 150]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+CACHE = Path.home() / ".cache" / "fedemu" / "v2" / "mnist"
+
+
+def load(cache: Path) -> tuple[torch.Tensor, ...]:
+    def images(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.load(cache / name).reshape(-1, 784).astype(np.float32) / 255.0)
+
+    def labels(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.load(cache / name).astype(np.int64))
+
+    return images("train_x.npy"), labels("train_y.npy"), images("test_x.npy"), labels("test_y.npy")
+
+
+def two_nn(init: str) -> nn.Module:
+    model = nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(), nn.Linear(200, 10))
+    if init == "glorot":
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+    return model
+
+
+def rounds_to(accuracies: list[float], target: float) -> float | None:
+    """Round (1-based) where the best-so-far curve crosses target, interpolated."""
+    best = np.maximum.accumulate(np.asarray(accuracies))
+    above = np.nonzero(best >= target)[0]
+    if len(above) == 0:
+        return None
+    i = int(above[0])
+    if i == 0:
+        return 1.0
+    return i + (target - best[i - 1]) / (best[i] - best[i - 1])
+
+
+def run(seed: int, lr: float, init: str, rounds: int, target: float, clients: int = 100, C: float = 0.1,
+        E: int = 1, B: int = 10) -> list[float]:
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    train_x, train_y, test_x, test_y = load(CACHE)
+    parts = np.array_split(rng.permutation(len(train_y)), clients)
+    model = two_nn(init)
+    loss_fn = nn.CrossEntropyLoss()
+    m = max(int(C * clients), 1)
+    accuracies: list[float] = []
+    for t in range(1, rounds + 1):
+        global_state = {k: v.clone() for k, v in model.state_dict().items()}
+        total = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        n_sum = 0
+        for k in rng.choice(clients, size=m, replace=False):
+            model.load_state_dict(global_state)
+            optimiser = torch.optim.SGD(model.parameters(), lr=lr)
+            x, y = train_x[parts[k]], train_y[parts[k]]
+            for _ in range(E):
+                order = torch.from_numpy(rng.permutation(len(y)))
+                for start in range(0, len(y), B):
+                    batch = order[start:start + B]
+                    optimiser.zero_grad()
+                    loss_fn(model(x[batch]), y[batch]).backward()
+                    optimiser.step()
+            for key, value in model.state_dict().items():
+                total[key] += len(y) * value
+            n_sum += len(y)
+        model.load_state_dict({k: v / n_sum for k, v in total.items()})
+        with torch.no_grad():
+            accuracies.append(float((model(test_x).argmax(1) == test_y).float().mean()))
+        if accuracies[-1] >= target:
+            break
+    return accuracies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lr", type=float, nargs="+", default=[0.1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--init", choices=("torch", "glorot"), default="torch")
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--target", type=float, default=0.97)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for lr in args.lr:
+        for seed in args.seeds:
+            accuracies = run(seed, lr, args.init, args.rounds, args.target)
+            crossed = rounds_to(accuracies, args.target)
+            reached = f"{crossed:.1f}" if crossed is not None else f"not within {len(accuracies)}"
+            print(f"init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
+                  f"(best {max(accuracies):.4f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
