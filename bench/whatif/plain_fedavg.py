@@ -2,7 +2,8 @@
 independent check of fedemu's rounds to 97% (docs/results.md, "The default job").
 
 Nothing of fedemu's is used but the MNIST arrays it caches (`fedemu data fetch mnist`):
-the IID split (a permutation cut into 100 clients of 600), the 2NN (PyTorch's default
+the split (IID: a permutation cut into 100 clients of 600; shards: the pathological
+non-IID split, sorted by label, cut into 200 shards of 300, two at random per client), the 2NN (PyTorch's default
 initialisation, or Glorot-uniform weights and zero biases as TensorFlow's dense layers
 start), client selection, local SGD (torch.optim.SGD, E epochs of B-minibatches in a fresh
 order each epoch), the n_k-weighted average and the evaluation are written here, from
@@ -10,6 +11,7 @@ Algorithm 1. Rounds to the target are counted as the paper's Table 1 counts them
 best-so-far test accuracy, interpolated linearly between rounds.
 
     python bench/whatif/plain_fedavg.py --lr 0.1 --seeds 1 2 3 [--init glorot] [--rounds 150]
+    python bench/whatif/plain_fedavg.py --partition shards --lr 0.1 --seeds 1 --rounds 1000
 """
 from __future__ import annotations
 
@@ -55,12 +57,20 @@ def rounds_to(accuracies: list[float], target: float) -> float | None:
     return i + (target - best[i - 1]) / (best[i] - best[i - 1])
 
 
-def run(seed: int, lr: float, init: str, rounds: int, target: float, clients: int = 100, C: float = 0.1,
-        E: int = 1, B: int = 10) -> list[float]:
+def split(labels: torch.Tensor, partition: str, clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    if partition == "iid":
+        return np.array_split(rng.permutation(len(labels)), clients)
+    shards = np.array_split(np.argsort(labels.numpy(), kind="stable"), 2 * clients)
+    dealt = rng.permutation(2 * clients)
+    return [np.concatenate([shards[dealt[2 * k]], shards[dealt[2 * k + 1]]]) for k in range(clients)]
+
+
+def run(seed: int, lr: float, init: str, rounds: int, target: float, partition: str = "iid", clients: int = 100,
+        C: float = 0.1, E: int = 1, B: int = 10) -> list[float]:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     train_x, train_y, test_x, test_y = load(CACHE)
-    parts = np.array_split(rng.permutation(len(train_y)), clients)
+    parts = split(train_y, partition, clients, rng)
     model = two_nn(init)
     loss_fn = nn.CrossEntropyLoss()
     m = max(int(C * clients), 1)
@@ -96,16 +106,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, nargs="+", default=[0.1])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--init", choices=("torch", "glorot"), default="torch")
+    parser.add_argument("--partition", choices=("iid", "shards"), default="iid")
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--target", type=float, default=0.97)
     args = parser.parse_args()
     torch.set_num_threads(1)
     for lr in args.lr:
         for seed in args.seeds:
-            accuracies = run(seed, lr, args.init, args.rounds, args.target)
+            accuracies = run(seed, lr, args.init, args.rounds, args.target, args.partition)
             crossed = rounds_to(accuracies, args.target)
             reached = f"{crossed:.1f}" if crossed is not None else f"not within {len(accuracies)}"
-            print(f"init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
+            print(f"{args.partition} init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
                   f"(best {max(accuracies):.4f})", flush=True)
 
 
