@@ -1,11 +1,12 @@
 """FedAvg on McMahan et al.'s MNIST 2NN, written from the paper alone, in one process: an
-independent check of fedemu's rounds to 97% (docs/results.md, "The default job").
+independent check of fedemu's rounds to 97% (docs/results.md, "McMahan et al.'s 2NN needs
+fewer rounds here than in their Table 1").
 
-Nothing of fedemu's is used but the MNIST arrays it caches (`fedemu data fetch mnist`):
-the split (IID: a permutation cut into 100 clients of 600; shards: the pathological
-non-IID split, sorted by label, cut into 200 shards of 300, two at random per client), the 2NN (PyTorch's default
-initialisation, or Glorot-uniform weights and zero biases as TensorFlow's dense layers
-start), client selection, local SGD (torch.optim.SGD, E epochs of B-minibatches in a fresh
+Nothing of fedemu's is used but the MNIST arrays it caches (`fedemu data fetch mnist`;
+fedemu only says where they are): the split (IID: a permutation cut into 100 clients of
+600; shards: the pathological non-IID split, sorted by label, cut into 200 shards of 300,
+two at random per client), the 2NN (PyTorch's default initialisation, or Glorot-uniform
+weights and zero biases as TensorFlow's dense layers start), client selection, local SGD (torch.optim.SGD, E epochs of B-minibatches in a fresh
 order each epoch), the n_k-weighted average and the evaluation are written here, from
 Algorithm 1. Rounds to the target are counted as the paper's Table 1 counts them: on the
 best-so-far test accuracy, interpolated linearly between rounds.
@@ -22,7 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-CACHE = Path.home() / ".cache" / "fedemu" / "v2" / "mnist"
+
+
+def mnist_cache() -> Path:
+    from fedemu.worker.ml.data import LAYOUT, cache_dir
+
+    folder = cache_dir() / LAYOUT / "mnist"
+    if not (folder / "train_x.npy").exists():
+        raise SystemExit(f"no MNIST arrays in {folder}: run `fedemu data fetch mnist` first")
+    return folder
 
 
 def load(cache: Path) -> tuple[torch.Tensor, ...]:
@@ -69,7 +78,7 @@ def run(seed: int, lr: float, init: str, rounds: int, target: float, partition: 
         C: float = 0.1, E: int = 1, B: int = 10) -> list[float]:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    train_x, train_y, test_x, test_y = load(CACHE)
+    train_x, train_y, test_x, test_y = load(mnist_cache())
     parts = split(train_y, partition, clients, rng)
     model = two_nn(init)
     loss_fn = nn.CrossEntropyLoss()
