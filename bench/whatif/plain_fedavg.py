@@ -13,6 +13,7 @@ best-so-far test accuracy, interpolated linearly between rounds.
 
     python bench/whatif/plain_fedavg.py --lr 0.1 --seeds 1 2 3 [--init glorot] [--rounds 150]
     python bench/whatif/plain_fedavg.py --partition shards --lr 0.1 --seeds 1 --rounds 1000
+    python bench/whatif/plain_fedavg.py --B 0 --lr 0.464 --seeds 1 --rounds 2000   # FedSGD
 """
 from __future__ import annotations
 
@@ -92,10 +93,11 @@ def run(seed: int, lr: float, init: str, rounds: int, target: float, partition: 
             model.load_state_dict(global_state)
             optimiser = torch.optim.SGD(model.parameters(), lr=lr)
             x, y = train_x[parts[k]], train_y[parts[k]]
+            size = B or len(y)  # B = 0: the full local set, one step an epoch (FedSGD at E = 1)
             for _ in range(E):
                 order = torch.from_numpy(rng.permutation(len(y)))
-                for start in range(0, len(y), B):
-                    batch = order[start:start + B]
+                for start in range(0, len(y), size):
+                    batch = order[start:start + size]
                     optimiser.zero_grad()
                     loss_fn(model(x[batch]), y[batch]).backward()
                     optimiser.step()
@@ -116,16 +118,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--init", choices=("torch", "glorot"), default="torch")
     parser.add_argument("--partition", choices=("iid", "shards"), default="iid")
+    parser.add_argument("--E", type=int, default=1, help="local epochs")
+    parser.add_argument("--B", type=int, default=10, help="local minibatch; 0 = the full local set")
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--target", type=float, default=0.97)
     args = parser.parse_args()
     torch.set_num_threads(1)
     for lr in args.lr:
         for seed in args.seeds:
-            accuracies = run(seed, lr, args.init, args.rounds, args.target, args.partition)
+            accuracies = run(seed, lr, args.init, args.rounds, args.target, args.partition, E=args.E, B=args.B)
             crossed = rounds_to(accuracies, args.target)
             reached = f"{crossed:.1f}" if crossed is not None else f"not within {len(accuracies)}"
-            print(f"{args.partition} init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
+            print(f"{args.partition} E {args.E} B {args.B or 'inf'} init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
                   f"(best {max(accuracies):.4f})", flush=True)
 
 
