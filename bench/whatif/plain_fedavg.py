@@ -2,13 +2,14 @@
 independent check of fedemu's rounds to 97% (docs/results.md, "McMahan et al.'s 2NN needs
 fewer rounds here than in their Table 1").
 
-Nothing of fedemu's is used but the MNIST arrays it caches (`fedemu data fetch mnist`;
-fedemu only says where they are): the split (IID: a permutation cut into 100 clients of
+Nothing of fedemu's trains here: fedemu only says where its cached MNIST arrays are
+(`fedemu data fetch mnist`) and counts the rounds to the target with the rule `fedemu
+report` uses. The split (IID: a permutation cut into 100 clients of
 600; shards: the pathological non-IID split, sorted by label, cut into 200 shards of 300,
 two at random per client), the 2NN (PyTorch's default initialisation, or Glorot-uniform
-weights and zero biases as TensorFlow's dense layers start), client selection, local SGD (torch.optim.SGD, E epochs of B-minibatches in a fresh
-order each epoch), the n_k-weighted average and the evaluation are written here, from
-Algorithm 1. Rounds to the target are counted as the paper's Table 1 counts them: on the
+weights and zero biases as TensorFlow's dense layers start), client selection, local SGD
+(torch.optim.SGD, E epochs of B-minibatches in a fresh order each epoch), the
+n_k-weighted average and the evaluation are written here, from Algorithm 1. Rounds to the target are counted as the paper's Table 1 counts them: on the
 best-so-far test accuracy, interpolated linearly between rounds.
 
     python bench/whatif/plain_fedavg.py --lr 0.1 --seeds 1 2 3 [--init glorot] [--rounds 150]
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedemu.launch.results import time_to_target
 
 
 def mnist_cache() -> Path:
@@ -55,18 +57,6 @@ def two_nn(init: str) -> nn.Module:
     return model
 
 
-def rounds_to(accuracies: list[float], target: float) -> float | None:
-    """Round (1-based) where the best-so-far curve crosses target, interpolated."""
-    best = np.maximum.accumulate(np.asarray(accuracies))
-    above = np.nonzero(best >= target)[0]
-    if len(above) == 0:
-        return None
-    i = int(above[0])
-    if i == 0:
-        return 1.0
-    return i + (target - best[i - 1]) / (best[i] - best[i - 1])
-
-
 def split(labels: torch.Tensor, partition: str, clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     if partition == "iid":
         return np.array_split(rng.permutation(len(labels)), clients)
@@ -75,17 +65,17 @@ def split(labels: torch.Tensor, partition: str, clients: int, rng: np.random.Gen
     return [np.concatenate([shards[dealt[2 * k]], shards[dealt[2 * k + 1]]]) for k in range(clients)]
 
 
-def run(seed: int, lr: float, init: str, rounds: int, target: float, partition: str = "iid", clients: int = 100,
-        C: float = 0.1, E: int = 1, B: int = 10) -> list[float]:
+def run(data: tuple[torch.Tensor, ...], seed: int, lr: float, init: str, rounds: int, target: float,
+        partition: str = "iid", clients: int = 100, C: float = 0.1, E: int = 1, B: int = 10) -> list[float]:
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    train_x, train_y, test_x, test_y = load(mnist_cache())
+    train_x, train_y, test_x, test_y = data
     parts = split(train_y, partition, clients, rng)
     model = two_nn(init)
     loss_fn = nn.CrossEntropyLoss()
     m = max(int(C * clients), 1)
     accuracies: list[float] = []
-    for t in range(1, rounds + 1):
+    for _ in range(rounds):
         global_state = {k: v.clone() for k, v in model.state_dict().items()}
         total = {k: torch.zeros_like(v) for k, v in global_state.items()}
         n_sum = 0
@@ -124,13 +114,14 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.97)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    data = load(mnist_cache())
     for lr in args.lr:
         for seed in args.seeds:
-            accuracies = run(seed, lr, args.init, args.rounds, args.target, args.partition, E=args.E, B=args.B)
-            crossed = rounds_to(accuracies, args.target)
+            accuracies = run(data, seed, lr, args.init, args.rounds, args.target, args.partition, E=args.E, B=args.B)
+            crossed = time_to_target(np.arange(1, len(accuracies) + 1), accuracies, args.target)
             reached = f"{crossed:.1f}" if crossed is not None else f"not within {len(accuracies)}"
-            print(f"{args.partition} E {args.E} B {args.B or 'inf'} init {args.init} lr {lr} seed {seed}: rounds to {args.target:.0%} {reached} "
-                  f"(best {max(accuracies):.4f})", flush=True)
+            print(f"{args.partition} E {args.E} B {args.B or 'inf'} init {args.init} lr {lr} seed {seed}: "
+                  f"rounds to {args.target:.0%} {reached} (best {max(accuracies):.4f})", flush=True)
 
 
 if __name__ == "__main__":
