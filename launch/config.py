@@ -436,6 +436,28 @@ def compression_spec(config: dict):
         raise ConfigError(str(exc)) from None
 
 
+def server_settings(config: dict, workers: int, device: str):
+    """The server engine's settings (server.engine.Settings) for a resolved config run
+    over ``workers`` worker nodes, evaluating on ``device``."""
+    from fedemu.server import algorithm
+    from fedemu.server.engine import Settings
+
+    run, algo = config["run"], config["algorithm"]
+    compression = compression_spec(config)
+    asynchronous = not algorithm.get(algo["name"]).synchronous
+    return Settings(
+        clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
+        batch_size=algo["B"], C=algo["C"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
+        eval_every=algo["eval_every_uploads"] if asynchronous else run["eval_every"],
+        target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
+        max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
+        startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
+        compression=compression.to_dict() if compression.structured != "none" or compression.sketched else None,
+        over_select=algo["over_select"], on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
+        merge_s=algo["merge_s"], client_log=run["client_log"], device=device, aggregation=run["aggregation"],
+    )
+
+
 def broker_network_file(config: dict) -> dict:
     """What `fedemu broker --network FILE` reads: the link part of [network]."""
     section = {k: v for k, v in config.get("network", {}).items() if k != "stragglers"}

@@ -123,8 +123,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import algorithm
     from fedemu.server.async_engine import AsyncEngine
-    from fedemu.server.engine import RoundEngine, Settings, Stop
-    from fedemu.launch.config import data_spec, model_spec
+    from fedemu.server.engine import RoundEngine, Stop
+    from fedemu.launch.config import data_spec, model_spec, server_settings
     from fedemu.server.runlog import RunLog
     from fedemu.worker.ml import split
     from fedemu.worker.client import warm_up
@@ -136,21 +136,10 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
     run_data, _ = split.run_data(data_spec(config), shares=False)
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
-    asynchronous = not rule.synchronous
-    settings = Settings(
-        clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
-        batch_size=algo["B"], C=algo["C"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],
-        eval_every=algo["eval_every_uploads"] if asynchronous else run["eval_every"],
-        target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
-        max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
-        startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
-        compression=_compression(config), over_select=algo["over_select"],
-        on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"], merge_s=algo["merge_s"],
-        client_log=run["client_log"], device=str(device), aggregation=run["aggregation"],
-    )
+    settings = server_settings(config, workers, str(device))
     runlog = RunLog(run_dir)
     model = model_spec(config)
-    if asynchronous:
+    if not rule.synchronous:
         engine = AsyncEngine(settings, rule, model, run_data, runlog,
                              lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
     else:
@@ -199,13 +188,6 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         node.wait(10)
     node.close("run finished")
     return 0 if result.get("status") == "completed" else 1
-
-
-def _compression(config: dict) -> dict | None:
-    from fedemu.launch.config import compression_spec
-
-    spec = compression_spec(config)
-    return spec.to_dict() if spec.structured != "none" or spec.sketched else None
 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:

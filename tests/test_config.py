@@ -106,3 +106,17 @@ def test_centralised_needs_one_client_holding_all_the_data():
     with pytest.raises(config.ConfigError, match=r"partition 'shards'"):
         config.load(None, ["algorithm.name=centralised", "data.clients=1", "data.partition=shards"])
     assert config.load(None, ["algorithm.name=centralised", "data.clients=1"])["algorithm"]["name"] == "centralised"
+
+
+def test_server_settings_follow_the_config():
+    c = config.load(None, ["algorithm.E=5", "algorithm.B=50", "run.eval_every=3", "algorithm.eval_every_uploads=7",
+                           "data.clients=20", "run.seed=4"])
+    s = config.server_settings(c, workers=2, device="cpu")
+    assert (s.clients, s.seed, s.epochs, s.batch_size, s.workers, s.device) == (20, 4, 5, 50, 2, "cpu")
+    assert s.eval_every == 3 and s.compression is None  # rounds: run.eval_every; nothing compressed
+    asynchronous = config.load(None, ["algorithm.name=coop", "algorithm.b_l=2", "algorithm.b_u=5",
+                                      "algorithm.eval_every_uploads=7", "compression.structured=random_mask",
+                                      "compression.keep_fraction=0.5"])
+    s = config.server_settings(asynchronous, workers=1, device="cpu")
+    assert s.eval_every == 7  # uploads, for a rule without rounds
+    assert s.compression == config.compression_spec(asynchronous).to_dict()
