@@ -33,6 +33,7 @@ from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker.ml.exact_sum import ExactSum
+from fedemu.worker import tasks
 from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
                                     as_pid_map)
 
@@ -328,6 +329,7 @@ class RoundEngine(Engine):
     def __init__(self, settings: Settings, strategy: Strategy, model: ModelSpec, data: Data, runlog: RunLog):
         super().__init__(settings, model, data, runlog)
         self.strategy = strategy
+        strategy.population = settings.clients
         self.algorithm = strategy.name
         self.over_select, self.on_quorum_missed = settings.over_select, settings.on_quorum_missed
         if self.on_quorum_missed not in QUORUM_POLICIES:
@@ -426,15 +428,16 @@ class RoundEngine(Engine):
         self.runlog.event("hint", round=round_, message=message)
         return message
 
-    def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str, lr: float,
-               lr_decay: float = 0.0, full_gradient: np.ndarray | None = None,
-               prox_mu: float = 0.0) -> list[TrainReply] | None:
+    def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str | type[tasks.LocalTask],
+               lr: float, lr_decay: float = 0.0, full_gradient: np.ndarray | None = None,
+               prox_mu: float = 0.0, extra: dict | None = None) -> list[TrainReply] | None:
         s = self.settings
+        task = tasks.reference(task)
         request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
                                batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
                                full_gradient=full_gradient, prox_mu=prox_mu,
                                compression=s.compression if task == TRAIN and self.codec else None,
-                               keep_at_node=self.at_nodes)
+                               keep_at_node=self.at_nodes, extra=extra)
         asked = [k for k in book.selected if k in self.live]
         proc.send_many([self.pids[k] for k in asked], request)  # one copy per worker node
         period = s.deadline_s if s.deadline_s else float("inf")  # emulated seconds

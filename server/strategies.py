@@ -102,9 +102,11 @@ class Replies(list):
         return self._mean.mean() if isinstance(self._mean, ExactSum) else self._mean.result()
 
 
-# run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0) sends one request
-# to every selected client and returns the replies that arrived, or None when fewer than
-# the quorum did (the round is then skipped and the model kept).
+# run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0, extra=None) sends one
+# request to every selected client and returns the replies that arrived, or None when
+# fewer than the quorum did (the round is then skipped and the model kept). ``task`` is a
+# built-in task's name or a worker.tasks.LocalTask subclass (a plug-in's own local work,
+# given ``extra``; each reply's ``extra`` is what it sent back).
 RunPhase = Callable[..., "list[TrainReply] | None"]
 
 
@@ -114,6 +116,7 @@ class Strategy(Algorithm):
     # False: the rule needs only each phase's replies.mean(), so the engine drops each
     # update once folded into it: with 1,000 clients a round the server holds one model.
     keeps_updates = True
+    population = 0  # K, the run's clients: set by the round engine before the first round
 
     def __init__(self, lr: float, lr_decay: float = 0.0) -> None:
         self.lr = lr

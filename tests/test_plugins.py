@@ -199,3 +199,153 @@ def test_a_plugin_runs_end_to_end_in_real_processes(how, tmp_path):
     start = next(event for event in read_events(run_dir) if event["event"] == "start")
     assert start["dataset"] == "blobs" and start["test_samples"] == 500
     assert summary["final_accuracy"] > 0.5  # chance is 0.25: the trimmed means learned
+
+
+# --- a plug-in algorithm with its own local task: SCAFFOLD --------------------------------
+
+SCAFFOLD = "fedemu_example_plugin.scaffold:Scaffold"
+
+
+def test_scaffolds_client_step_hand_computed(plugin_on_path):
+    """One full-batch step (E = 1, B = n): y = x - lr (g - c_i + c), so option II's
+    c_i+ = c_i - c + (x - y) / lr is the local gradient g at x, whatever c and c_i were;
+    the client keeps it and sends c_i+ - c_i. A second round starts from the kept c_i."""
+    import torch
+
+    from fedemu.worker import tasks
+    from fedemu.worker.ml import models, training
+    from fedemu.worker.ml.datasets import get
+    from fedemu.worker.ml.models import ModelSpec
+    from fedemu.worker.protocol import TrainRequest
+
+    spec = ModelSpec("2nn", get("mnist"))
+    model = spec.build()
+    x0 = models.get_flat(model)
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (20, 28, 28), dtype=np.uint8), rng.integers(0, 10, 20)
+    g, _ = training.local_gradient(model, images, labels)
+    c = rng.normal(0, 0.01, x0.shape).astype(np.float32)
+    c_i = rng.normal(0, 0.01, x0.shape).astype(np.float32)
+    task = tasks.get("fedemu_example_plugin.scaffold:ScaffoldTrain")
+    state = {"c_i": c_i}
+
+    def run(c_server):
+        models.set_flat(model, x0)
+        request = TrainRequest(round=1, task="", weights=x0, epochs=1, batch_size=0, lr=0.1, seed=1,
+                               extra={"c": c_server})
+        return task().run(tasks.TaskInput(model, spec, images, labels, request, torch.Generator().manual_seed(1),
+                                          training.IMAGES, client=3, iterations=0, state=state))
+
+    out = run(c)
+    np.testing.assert_allclose(out.update, x0 - 0.1 * (g - c_i + c), atol=2e-6)
+    np.testing.assert_allclose(state["c_i"], g, atol=2e-5)
+    np.testing.assert_allclose(out.extra["delta_c"], g - c_i, atol=2e-5)
+    kept = state["c_i"].copy()
+    out = run(np.zeros_like(c))  # the next round corrects by 0 - c_i, c_i the gradient kept
+    np.testing.assert_allclose(out.update, x0 - 0.1 * (g - kept), atol=2e-6)
+
+
+def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
+    """The client hands a task the same state every round (SCAFFOLD's c_i) and returns
+    the task's extra beside the update; the device model charges the task's passes."""
+    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.ml.data import Data
+    from fedemu.worker.ml.datasets import get
+    from fedemu.worker.ml.devices import ComputeModel
+    from fedemu.worker.ml.models import ModelSpec
+    from fedemu.worker.protocol import TrainRequest
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 255, (40, 28, 28), dtype=np.uint8), rng.integers(0, 10, 40)
+    spec = ModelSpec("2nn", get("mnist"))
+    client = Client(0, np.arange(40), Data("fake", get("mnist"), images, labels, images, labels), spec, _ModelCache(),
+                    compute=ComputeModel(clock="virtual", charge="model", device_flops=1e9))
+    weights = _flat_2nn(spec)
+
+    def train(round_):
+        request = TrainRequest(round=round_, task="fedemu_example_plugin.scaffold:ScaffoldTrain", weights=weights,
+                               epochs=2, batch_size=10, lr=0.1, seed=1, extra={"c": np.zeros_like(weights)})
+        return client._run_task(request)[0]
+
+    first = train(1)
+    kept = client.task_state["c_i"].copy()
+    assert np.abs(kept).max() > 0
+    np.testing.assert_array_equal(first.extra["delta_c"], kept)
+    second = train(2)
+    np.testing.assert_allclose(second.extra["delta_c"], client.task_state["c_i"] - kept, atol=1e-7)
+    assert client.iterations == 2 * 2 * 4  # two rounds of E = 2 epochs of 4 batches
+    plain = Client(1, np.arange(40), client.data, spec, _ModelCache(), compute=client.compute)
+    fedavg = plain._run_task(TrainRequest(round=1, task=TRAIN, weights=weights, epochs=2, batch_size=10, lr=0.1,
+                                          seed=1))[0]
+    assert first.compute_s == fedavg.compute_s > 0  # E x n_k training passes, as FedAvg's
+
+
+def _flat_2nn(spec):
+    from fedemu.worker.ml import models
+
+    return models.get_flat(spec.build())
+
+
+def test_scaffolds_server_step_hand_computed(plugin_on_path):
+    """x <- mean of the clients' models (eta_g = 1; weighted by n_k as FedAvg's), or
+    x + eta_g (mean - x); c <- c + (1/N) sum delta_c, N the population, and the next round
+    sends that c."""
+    from fedemu.server.strategies import Replies
+
+    sent = []
+
+    def run_phase(task, lr, extra=None, **_):
+        sent.append((task, extra["c"].copy()))
+        replies = Replies()
+        for k, (model, delta_c, n) in enumerate([([1, 2], [3, 0], 10), ([3, 6], [1, 2], 30)]):
+            replies.fold(TrainReply(round=1, client=k, task="", update=np.array(model, np.float32), num_samples=n,
+                                    train_loss=0.0, compute_s=0.0, extra={"delta_c": np.array(delta_c, np.float32)}),
+                         keep_update=True)
+        return replies
+
+    cls = algorithm.get(SCAFFOLD)
+    strategy = cls(lr=0.1)
+    strategy.population = 4
+    np.testing.assert_allclose(strategy.run_round(run_phase, np.zeros(2, np.float32), 1), [2.5, 5.0])
+    np.testing.assert_allclose(strategy.c, [1.0, 0.5])
+    assert sent[0][0].__name__ == "ScaffoldTrain" and not sent[0][1].any()
+    halfway = cls(lr=0.1, eta_g=0.5)
+    halfway.population = 4
+    np.testing.assert_allclose(halfway.run_round(run_phase, np.ones(2, np.float32), 1), [1.75, 3.0])
+    strategy.run_round(run_phase, np.zeros(2, np.float32), 2)
+    np.testing.assert_allclose(sent[-1][1], [1.0, 0.5])  # round 2 sent round 1's c
+
+
+@pytest.mark.slow
+def test_a_plugin_task_runs_end_to_end_in_real_processes(tmp_path):
+    """SCAFFOLD in real processes: its first round is FedAvg's (c = c_i = 0), bit for bit
+    in virtual time; then the control variates, sent both ways and charged on the links,
+    make it another run. A task no host can import fails the run, naming it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "missing_task.py").write_text(
+        "from fedemu.server.strategies import Strategy\n"
+        "class Missing(Strategy):\n"
+        "    name = 'missing'\n"
+        "    def run_round(self, run_phase, weights, round_):\n"
+        "        return run_phase('nosuchpackage.tasks:Nope', self.lr)\n")
+    summaries, first = {}, {}
+    for name in (SCAFFOLD, "fedavg", "missing_task:Missing"):
+        run_dir = tmp_path / name.split(":")[-1]
+        argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
+                "--set", f"algorithm.name={name}", "--set", "data.partition=shards", "--set", "data.clients=20",
+                "--set", "algorithm.C=0.5", "--set", "run.rounds=3", "--set", "run.target_accuracy=0"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        summaries[name] = json.loads((run_dir / "summary.json").read_text())
+        rounds = [e for e in read_events(run_dir) if e["event"] == "round"]
+        first[name] = (rounds[0]["accuracy"], rounds[0]["loss"]) if rounds else None
+        if name != "missing_task:Missing":
+            assert done.returncode == 0, done.stdout + done.stderr
+    scaffold, fedavg, missing = summaries[SCAFFOLD], summaries["fedavg"], summaries["missing_task:Missing"]
+    assert scaffold["status"] == "completed" and scaffold["rounds"] == 3
+    assert first[SCAFFOLD] == first["fedavg"]
+    assert scaffold["weights_sha256"] != fedavg["weights_sha256"]
+    # Each upload carries the model and a delta_c of its size; each request the model and c.
+    assert 1.9 < scaffold["bytes_up"] / fedavg["bytes_up"] < 2.1
+    assert 1.9 < scaffold["bytes_down"] / fedavg["bytes_down"] < 2.1
+    assert missing["status"] == "failed" and "local task 'nosuchpackage.tasks:Nope'" in missing["reason"]
+    assert "No module named 'nosuchpackage'" in missing["reason"] and missing["uploads"] == 0

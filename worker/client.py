@@ -18,30 +18,19 @@ from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 from .ml import models, training
 from .ml.data import Data
 from .ml.models import ModelSpec
+from . import tasks
 from .protocol import (
-    GRADIENT, SVRG, TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
+    TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
-from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
+from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
 from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
+from .tasks import codec_for
 
 log = logging.getLogger("fedemu.worker")
-
-
-_CODECS: dict[tuple, UpdateCodec] = {}
-_CODECS_LOCK = threading.Lock()
-
-
-def codec_for(model_spec: ModelSpec, spec: dict, model: torch.nn.Module) -> UpdateCodec:
-    """One codec per (model, spec) per process: its layer plan is the same for every client."""
-    key = (model_spec, tuple(sorted(spec.items())))
-    with _CODECS_LOCK:
-        if key not in _CODECS:
-            _CODECS[key] = make_codec(spec, parameter_shapes(model))
-        return _CODECS[key]
 
 
 def placement(num_clients: int, num_workers: int) -> list[range]:
@@ -93,6 +82,7 @@ class Client(Behaviour):
         self.stragglers = stragglers
         self.compute = compute  # what local work costs in emulated time (devices.py)
         self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
+        self.task_state: dict = {}  # a local task's state between rounds (worker.tasks.TaskInput.state)
         self._async: AsyncStart | None = None
         self._server: Pid | None = None
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
@@ -217,50 +207,28 @@ class Client(Behaviour):
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
     def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
-        """The local work a request asks for, and how long to hold its reply back."""
+        """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
+        task = tasks.get(request.task)
         model = self._cache.get(self.model)
         models.set_flat(model, request.weights)
         x, y = self._data()
-        dataset = self.data.dataset
-        generator = client_generator(request.seed, request.round, self.client_id)
-        encoded = None
-        if request.task == TRAIN and request.compression:
-            result = compressed_client_update(
-                model, x, y, codec=codec_for(self.model, request.compression, model),
-                seed=update_seed(request.seed, request.round, self.client_id), epochs=request.epochs,
-                batch_size=request.batch_size, lr=request.lr, generator=generator,
-                lr_decay=request.lr_decay, start_iteration=self.iterations, prox_mu=request.prox_mu,
-                dataset=dataset)
-            self.iterations += result.steps
-            update, encoded, loss = None, result.encoded, result.train_loss
-        elif request.task == TRAIN:
-            result = training.client_update(
-                model, x, y, epochs=request.epochs, batch_size=request.batch_size, lr=request.lr,
-                generator=generator, lr_decay=request.lr_decay, start_iteration=self.iterations,
-                prox_mu=request.prox_mu, dataset=dataset)
-            self.iterations += result.steps
-            update, loss = result.weights, result.train_loss
-        elif request.task == GRADIENT:
-            update, loss = training.local_gradient(model, x, y, dataset)
-        elif request.task == SVRG:
-            anchor = self._anchors.get(self.model)
-            models.set_flat(anchor, request.weights)
-            result = training.svrg_pass(model, x, y, anchor=anchor, full_gradient=request.full_gradient,
-                                        stepsize=request.lr, generator=generator, dataset=dataset)
-            update, loss = result.weights, result.train_loss
-        else:
-            raise ValueError(f"unknown task {request.task!r}")
+        result = task().run(tasks.TaskInput(
+            model=model, model_spec=self.model, x=x, y=y, request=request,
+            generator=client_generator(request.seed, request.round, self.client_id), dataset=self.data.dataset,
+            client=self.client_id, iterations=self.iterations, state=self.task_state,
+            anchor=self._anchors.get(self.model) if task.needs_anchor else None))
+        self.iterations += result.steps
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        examples = len(self.indices) * (request.epochs if request.task == TRAIN else 1)
         measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
         if self._cache.device.type != "cpu":
             cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
-        compute_s, hold = self.compute.times(self.model, request.task, examples, slowdown, measured_s, cpu_s)
+        compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
+                                             measured_s, cpu_s)
         reply = TrainReply(
-            round=request.round, client=self.client_id, task=request.task, update=update,
-            num_samples=len(self.indices), train_loss=float(loss), compute_s=compute_s, slowdown=slowdown,
-            encoded=encoded,
+            round=request.round, client=self.client_id, task=request.task, update=result.update,
+            num_samples=len(self.indices), train_loss=float(result.loss), compute_s=compute_s, slowdown=slowdown,
+            encoded=result.encoded, extra=result.extra or None,
         )
         return reply, hold
 
@@ -361,8 +329,7 @@ class Client(Behaviour):
 
     def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
         """An asynchronous local update's (compute seconds, hold): E epochs of n_k."""
-        return self.compute.times(self.model, TRAIN, self._async.epochs * len(self.indices), slowdown,
-                                  measured_s, cpu_s)
+        return self.compute.times(self.model, self._async.epochs * len(self.indices), slowdown, measured_s, cpu_s)
 
     def _local_update(self) -> None:
         """One local update of w_k (E epochs from the current weights); sets _measured."""

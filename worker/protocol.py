@@ -9,6 +9,7 @@ import numpy as np
 
 from fedemu.node import Pid, message
 
+# The built-in local tasks (worker/tasks.py); a plug-in task is named package.module:Class.
 TRAIN = "train"  # FedAvg: E epochs of SGD from the sent weights, return the weights
 GRADIENT = "gradient"  # FedSGD, FSVRG phase 1: the full local gradient at the sent weights
 SVRG = "svrg"  # FSVRG phase 2: one variance-reduced pass, return the weights
@@ -17,7 +18,7 @@ SVRG = "svrg"  # FSVRG phase 2: one variance-reduced pass, return the weights
 @message
 class TrainRequest:
     round: int
-    task: str  # TRAIN or GRADIENT
+    task: str  # TRAIN, GRADIENT, SVRG or a plug-in task's package.module:Class (worker.tasks)
     weights: np.ndarray  # flat float32 global model
     epochs: int
     batch_size: int  # 0 means the full local set (B = infinity)
@@ -28,6 +29,7 @@ class TrainRequest:
     compression: dict | None = None  # TRAIN: send the update encoded (CompressionSpec.to_dict())
     prox_mu: float = 0.0  # TRAIN: add FedProx's proximal term mu/2 ||w - weights||^2 to the local objective
     keep_at_node: bool = False  # run.aggregation = "nodes": the update stays at the client's node (NodeSums)
+    extra: dict | None = None  # a plug-in task's own inputs (worker.tasks): names to numbers or arrays
 
 
 @message
@@ -44,6 +46,7 @@ class TrainReply:
     # Kept at the node (keep_at_node): `update` is None, and this is what it would have
     # added to the message, charged on the link as if sent (wire.Header.charge).
     link_charge: int = 0
+    extra: dict | None = None  # what a plug-in task sends beside its update (worker.tasks.TaskOutput)
 
 
 @message

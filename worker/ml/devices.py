@@ -32,10 +32,6 @@ from .models import ModelSpec
 
 COMPUTE_CHARGES = ("model", "measured")
 
-# How many passes over its examples each task makes, in training FLOPs per example.
-# An SVRG step takes two gradients per example: at the current weights and at w_t.
-TASK_PASSES = {"train": 1.0, "gradient": 1.0, "svrg": 2.0}
-
 _FLOPS: dict[ModelSpec, float] = {}
 _FLOPS_LOCK = threading.Lock()
 
@@ -109,17 +105,18 @@ class ComputeModel:
         if self.clock == "virtual" and self.charge == "model":
             training_flops_per_example(model)
 
-    def times(self, model: ModelSpec, task: str, examples: int, slowdown: float, measured_s: float,
+    def times(self, model: ModelSpec, example_passes: float, slowdown: float, measured_s: float,
               cpu_s: float) -> tuple[float, float]:
         """(compute seconds the device spends, excluding its straggler factor; emulated
-        seconds to hold the reply back). ``examples``: examples processed (E x n_k)."""
+        seconds to hold the reply back). ``example_passes``: training passes over single
+        examples (E x n_k for FedAvg's training; each task says its own, worker.tasks)."""
         if self.clock == "wall":
             # Real time has passed already: a slower device adds the rest.
             return measured_s, (slowdown - 1.0) * measured_s
         if self.charge == "measured":
             compute_s = cpu_s
         else:
-            flops = training_flops_per_example(model) * TASK_PASSES[task] * examples
+            flops = training_flops_per_example(model) * example_passes
             compute_s = flops / self.device_flops
         return compute_s, slowdown * compute_s
 

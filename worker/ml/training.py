@@ -179,6 +179,7 @@ def client_update(
     start_iteration: int = 0,
     prox_mu: float = 0.0,
     dataset: Dataset = IMAGES,
+    after_backward: Callable[[], None] | None = None,
 ) -> TrainResult:
     """Run E epochs of minibatch SGD on the local data, starting from ``model``.
 
@@ -192,6 +193,8 @@ def client_update(
 
     ``prox_mu`` > 0 adds FedProx's proximal term mu/2 ||w - w_start||^2 to the objective:
     mu (w - w_start) joins every gradient (the reported loss is the data term alone).
+    ``after_backward`` may edit the gradients before each step (after the proximal term),
+    as a plug-in task's correction does (SCAFFOLD's control variates).
     """
     count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device_of(model))
     if not model.training:  # model.train() walks every module, even when all are training already
@@ -200,7 +203,8 @@ def client_update(
     steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
                                      lr=lr, generator=generator, lr_decay=lr_decay,
                                      start_iteration=start_iteration,
-                                     after_backward=_proximal_term(params, prox_mu) if prox_mu else None,
+                                     after_backward=_chain(_proximal_term(params, prox_mu) if prox_mu else None,
+                                                           after_backward),
                                      dataset=dataset)
     return TrainResult(
         weights=get_flat(model),
@@ -208,6 +212,18 @@ def client_update(
         train_loss=float(np.mean(epoch_losses)),
         steps=steps,
     )
+
+
+def _chain(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
+    present = [hook for hook in hooks if hook is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def each() -> None:
+        for hook in present:
+            hook()
+
+    return each
 
 
 def _proximal_term(params: list[torch.Tensor], mu: float) -> Callable[[], None]:

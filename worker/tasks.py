@@ -1,0 +1,178 @@
+"""Local tasks: what a client computes when a round-based algorithm asks it to.
+
+A strategy's ``run_phase(task, lr, ...)`` sends every selected client a TrainRequest
+naming a task; the client runs that task on its own data and replies with the update.
+fedemu's tasks are registered here under the names ``protocol.TRAIN``, ``GRADIENT`` and
+``SVRG``. A plug-in algorithm that needs other local work (control variates, a
+different objective) writes a :class:`LocalTask` subclass and passes the class itself to
+``run_phase``: it travels as ``package.module:Class`` and the worker imports it there,
+so the package must be importable on every worker host, as a plug-in model's must.
+
+A task may keep per-client state between rounds (``TaskInput.state``): it lives with
+the client's process, so a client restarted after a crash starts again with none.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedemu.node import plugins
+
+from .ml import models, training
+from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
+from .ml.datasets import Dataset
+from .ml.models import ModelSpec
+from .ml.structured import compressed_client_update
+from .protocol import GRADIENT, SVRG, TRAIN, TrainRequest
+
+ENTRY_POINT_GROUP = "fedemu.tasks"
+
+
+@dataclass
+class TaskInput:
+    """What a task works with. ``model`` holds the weights the request sent (w_t) and may
+    be trained in place."""
+
+    model: nn.Module
+    model_spec: ModelSpec
+    x: np.ndarray
+    y: np.ndarray
+    request: TrainRequest  # its ``extra`` carries a plug-in task's own inputs from the server
+    generator: torch.Generator  # this client's stream for this round (batch order, augmentation)
+    dataset: Dataset
+    client: int
+    iterations: int  # local SGD steps this client took before (Keras' decay counts them)
+    state: dict[str, Any]  # this client's, kept between its tasks while its process lives
+    anchor: nn.Module | None = None  # a second model of the same kind, for a task that needs one
+
+
+@dataclass
+class TaskOutput:
+    update: np.ndarray | None  # flat float32: weights or a gradient; None only with ``encoded``
+    loss: float
+    steps: int = 0  # local SGD steps taken (added to the client's count)
+    encoded: dict | None = None  # the update, compressed (the train task with [compression])
+    extra: dict[str, Any] = field(default_factory=dict)  # sent to the server beside the update
+
+
+class LocalTask:
+    """One kind of local work. ``passes`` is what virtual time charges: training passes
+    (a forward and backward) per example, over E epochs when ``per_epoch``, else once."""
+
+    name: ClassVar[str] = ""
+    passes: ClassVar[float] = 1.0
+    per_epoch: ClassVar[bool] = True
+    needs_anchor: ClassVar[bool] = False  # TaskInput.anchor: a second model (SVRG holds w_t in it)
+
+    def run(self, task: TaskInput) -> TaskOutput:
+        raise NotImplementedError
+
+    @classmethod
+    def example_passes(cls, request: TrainRequest, examples: int) -> float:
+        """Training passes over single examples this request costs a client of ``examples``."""
+        return cls.passes * examples * (request.epochs if cls.per_epoch else 1)
+
+
+class UnknownTask(plugins.PluginNotFound):
+    pass
+
+
+_registry = plugins.Registry("local task", ENTRY_POINT_GROUP, ("fedemu.worker.tasks",), LocalTask, "LocalTask")
+
+
+def register(cls: type[LocalTask]) -> type[LocalTask]:
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    _registry.file(cls, cls.name)
+    return cls
+
+
+def get(name: str) -> type[LocalTask]:
+    try:
+        return _registry.find(name, lambda cls: None)
+    except plugins.PluginNotFound as exc:
+        raise UnknownTask(str(exc)) from None
+
+
+def reference(task: str | type[LocalTask]) -> str:
+    """What a request calls ``task``: a built-in's name, a plug-in's ``module:Class``. A
+    name that names no task here raises UnknownTask (the server finds it before any
+    client is asked)."""
+    if isinstance(task, str):
+        get(task)
+        return task
+    if _registry.classes.get(task.name) is task and task.__module__ == __name__:
+        return task.name
+    return f"{task.__module__}:{task.__qualname__}"
+
+
+_CODECS: dict[tuple, UpdateCodec] = {}
+_CODECS_LOCK = threading.Lock()
+
+
+def codec_for(model_spec: ModelSpec, spec: dict, model: nn.Module) -> UpdateCodec:
+    """One codec per (model, spec) per process: its layer plan is the same for every client."""
+    key = (model_spec, tuple(sorted(spec.items())))
+    with _CODECS_LOCK:
+        if key not in _CODECS:
+            _CODECS[key] = make_codec(spec, parameter_shapes(model))
+        return _CODECS[key]
+
+
+@register
+class Train(LocalTask):
+    """FedAvg's ClientUpdate (McMahan et al., Algorithm 1): E epochs of B-minibatch SGD,
+    with FedProx's proximal term when the request sets prox_mu; the update compressed
+    when it names a [compression] spec."""
+
+    name = TRAIN
+
+    def run(self, task):
+        r = task.request
+        if r.compression:
+            result = compressed_client_update(
+                task.model, task.x, task.y, codec=codec_for(task.model_spec, r.compression, task.model),
+                seed=update_seed(r.seed, r.round, task.client), epochs=r.epochs, batch_size=r.batch_size,
+                lr=r.lr, generator=task.generator, lr_decay=r.lr_decay, start_iteration=task.iterations,
+                prox_mu=r.prox_mu, dataset=task.dataset)
+            return TaskOutput(None, result.train_loss, result.steps, encoded=result.encoded)
+        result = training.client_update(
+            task.model, task.x, task.y, epochs=r.epochs, batch_size=r.batch_size, lr=r.lr,
+            generator=task.generator, lr_decay=r.lr_decay, start_iteration=task.iterations,
+            prox_mu=r.prox_mu, dataset=task.dataset)
+        return TaskOutput(result.weights, result.train_loss, result.steps)
+
+
+@register
+class Gradient(LocalTask):
+    """FedSGD's and FSVRG's first phase: the full local gradient at the sent weights."""
+
+    name = GRADIENT
+    per_epoch = False
+
+    def run(self, task):
+        gradient, loss = training.local_gradient(task.model, task.x, task.y, task.dataset)
+        return TaskOutput(gradient, loss)
+
+
+@register
+class Svrg(LocalTask):
+    """FSVRG's second phase (Nilsson et al., Algorithm 2): one variance-reduced pass with
+    stepsize h / n_k; each step takes two gradients, at the current weights and at w_t."""
+
+    name = SVRG
+    passes = 2.0
+    per_epoch = False
+    needs_anchor = True
+
+    def run(self, task):
+        r = task.request
+        models.set_flat(task.anchor, r.weights)
+        result = training.svrg_pass(task.model, task.x, task.y, anchor=task.anchor, full_gradient=r.full_gradient,
+                                    stepsize=r.lr, generator=task.generator, dataset=task.dataset)
+        return TaskOutput(result.weights, result.train_loss)
