@@ -265,6 +265,23 @@ def get_flat(model: nn.Module) -> np.ndarray:
     return flat.to(torch.float32).cpu().numpy()
 
 
+def split_flat(model: nn.Module, vec: np.ndarray) -> list:
+    """``vec``, laid out as ``get_flat`` makes it, as one tensor per parameter, shaped and
+    placed as that parameter (for a task that adds a flat vector to the gradients)."""
+    import torch
+
+    if vec.ndim != 1 or vec.shape[0] != num_parameters(model):
+        raise ValueError(f"vector has shape {vec.shape}, model needs ({num_parameters(model)},)")
+    source = torch.from_numpy(np.array(vec, dtype=np.float32))  # a copy: the caller's array may change
+    parameters = parameters_of(model)
+    out, offset = [], 0
+    for parameter in parameters:
+        count = parameter.numel()
+        out.append(source[offset : offset + count].view_as(parameter).to(parameter.device))
+        offset += count
+    return out
+
+
 def set_flat(model: nn.Module, vec: np.ndarray) -> None:
     """Overwrite all parameters from a vector laid out as ``get_flat`` makes it."""
     import torch

@@ -16,7 +16,6 @@ process (``TaskInput.state``): a client restarted after a crash starts again fro
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from fedemu.node.schema import Key, positive
 from fedemu.server.strategies import Strategy
@@ -38,7 +37,7 @@ class ScaffoldTrain(LocalTask):
             c_i = np.zeros_like(c)
         x = r.weights
         params = models.parameters_of(task.model)
-        correction = [torch.from_numpy(v).to(p.device) for v, p in zip(_views(c - c_i, params), params)]
+        correction = models.split_flat(task.model, c - c_i)
 
         def correct() -> None:
             for p, v in zip(params, correction):
@@ -51,15 +50,6 @@ class ScaffoldTrain(LocalTask):
         new_c_i = (c_i - c + (x - result.weights) / rates.sum()).astype(np.float32)
         task.state["c_i"] = new_c_i
         return TaskOutput(result.weights, result.train_loss, result.steps, extra={"delta_c": new_c_i - c_i})
-
-
-def _views(flat: np.ndarray, params) -> list[np.ndarray]:
-    """``flat`` cut into arrays shaped as ``params`` (the layout of models.get_flat)."""
-    out, start = [], 0
-    for p in params:
-        out.append(flat[start : start + p.numel()].reshape(p.shape))
-        start += p.numel()
-    return out
 
 
 class Scaffold(Strategy):
