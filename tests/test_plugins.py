@@ -349,3 +349,11 @@ def test_a_plugin_task_runs_end_to_end_in_real_processes(tmp_path):
     assert 1.9 < scaffold["bytes_down"] / fedavg["bytes_down"] < 2.1
     assert missing["status"] == "failed" and "local task 'nosuchpackage.tasks:Nope'" in missing["reason"]
     assert "No module named 'nosuchpackage'" in missing["reason"] and missing["uploads"] == 0
+
+
+def test_the_plugin_sweep_expands_to_valid_points(plugin_on_path):
+    from fedemu.launch.sweep_spec import expand, load_spec
+
+    points = expand(load_spec(PLUGIN / "sweeps" / "scaffold-noniid.toml"))
+    assert sorted({p.config["algorithm"]["name"] for p in points}) == ["fedavg", SCAFFOLD]
+    assert len(points) == 6
