@@ -357,3 +357,27 @@ def test_the_plugin_sweep_expands_to_valid_points(plugin_on_path):
     points = expand(load_spec(PLUGIN / "sweeps" / "scaffold-noniid.toml"))
     assert sorted({p.config["algorithm"]["name"] for p in points}) == ["fedavg", SCAFFOLD]
     assert len(points) == 6
+
+
+def test_a_task_output_that_cannot_travel_is_named():
+    """A plug-in task's mistake fails its client with a message naming the task, before
+    the reply is held back for the device's time (a failed delayed send would only be
+    logged on the node)."""
+    import torch
+
+    from fedemu.worker import tasks
+
+    class Sloppy(tasks.LocalTask):
+        name = "sloppy"
+
+    flat = np.zeros(4, np.float32)
+    assert tasks.checked(Sloppy, tasks.TaskOutput(flat, 0.0, extra={"c": flat, "n": 3})).extra["n"] == 3
+    for output, message in [
+        (tasks.TaskOutput(flat, 0.0, extra={"c": torch.zeros(3)}), "returned an extra that cannot be sent: cannot "
+                                                                   "send an object of type Tensor"),
+        (tasks.TaskOutput(flat.reshape(2, 2), 0.0), r"returned an update of type ndarray and shape \(2, 2\); it must be a flat"),
+        (tasks.TaskOutput(torch.zeros(4), 0.0), "returned an update of type Tensor;"),
+        (tasks.TaskOutput(None, 0.0), "returned no update"),
+    ]:
+        with pytest.raises(tasks.BadTaskOutput, match=rf"local task '.*Sloppy' {message}"):
+            tasks.checked(Sloppy, output)

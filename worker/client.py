@@ -213,11 +213,11 @@ class Client(Behaviour):
         model = self._cache.get(self.model)
         models.set_flat(model, request.weights)
         x, y = self._data()
-        result = task().run(tasks.TaskInput(
+        result = tasks.checked(task, task().run(tasks.TaskInput(
             model=model, model_spec=self.model, x=x, y=y, request=request,
             generator=client_generator(request.seed, request.round, self.client_id), dataset=self.data.dataset,
             client=self.client_id, iterations=self.iterations, state=self.task_state,
-            anchor=self._anchors.get(self.model) if task.needs_anchor else None))
+            anchor=self._anchors.get(self.model) if task.needs_anchor else None)))
         self.iterations += result.steps
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
         measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall

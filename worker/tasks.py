@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedemu.node import plugins
+from fedemu.node import plugins, wire
 
 from .ml import models, training
 from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
@@ -80,6 +80,30 @@ class LocalTask:
 
 class UnknownTask(plugins.PluginNotFound):
     pass
+
+
+class BadTaskOutput(TypeError):
+    """A task returned what cannot travel in a reply; the message names the task and why."""
+
+
+def checked(task: type[LocalTask], output: TaskOutput) -> TaskOutput:
+    """``output``, once it is known to fit in a reply: an update that is a flat array (or
+    an encoding), and an ``extra`` of what the wire carries (numbers, strings, lists,
+    dicts, NumPy arrays). A plug-in's mistake then fails its client with this message,
+    not the reply's delayed send on a node thread, where no one would see it."""
+    where = reference(task)
+    if output.update is None and output.encoded is None:
+        raise BadTaskOutput(f"local task {where!r} returned no update")
+    if output.update is not None and (not isinstance(output.update, np.ndarray) or output.update.ndim != 1):
+        raise BadTaskOutput(f"local task {where!r} returned an update of type {type(output.update).__name__}"
+                            f"{'' if not isinstance(output.update, np.ndarray) else f' and shape {output.update.shape}'}"
+                            "; it must be a flat NumPy array (models.get_flat)")
+    if output.extra:
+        try:
+            wire.pack_body(output.extra)  # arrays by reference: no copy
+        except (TypeError, ValueError) as exc:
+            raise BadTaskOutput(f"local task {where!r} returned an extra that cannot be sent: {exc}") from None
+    return output
 
 
 _registry = plugins.Registry("local task", ENTRY_POINT_GROUP, ("fedemu.worker.tasks",), LocalTask, "LocalTask")
