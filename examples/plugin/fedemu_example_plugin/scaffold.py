@@ -56,6 +56,7 @@ class Scaffold(Strategy):
     name = "scaffold"
     label = "SCAFFOLD"
     uploads = "a model and a control-variate delta per round (twice FedAvg's bytes)"
+    keeps_updates = False  # the mean of the models is all it needs of them (aggregation on the nodes works)
     options = {"eta_g": Key(float, "SCAFFOLD: the server's step size on the mean model change", check=positive,
                             rule="> 0", default=1.0)}
 
