@@ -329,7 +329,7 @@ def _plot(out: Path, found: dict[str, dict[str, dict]], theirs: Path | None = No
     from fedemu.launch.report_figures import pyplot
 
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4), layout="constrained")
     colors = {"fedavg": "#2f56e0", "coop": "#e0562f", "fsvrg": "#2fa84f", "centralised": "#777777"}
     for ax, partition in zip(axes, ("iid", "shards")):
         for algo, records in _runs_for(found, partition).items():
@@ -344,7 +344,8 @@ def _plot(out: Path, found: dict[str, dict[str, dict]], theirs: Path | None = No
         ax.set_xlabel("uploads per client (centralised: epochs)")
         ax.set_ylim(85 if partition == "iid" else 70, 100)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right", fontsize=7.5)
+        # Below the axes: inside, it hid non-IID FSVRG's curves (they end near 80%).
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=7.5, frameon=False)
         ax.set_ylabel("held-out accuracy (%)")
     fig.savefig(out / "curves.png", dpi=110)
     plt.close(fig)
