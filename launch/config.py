@@ -294,11 +294,10 @@ def validate(config: dict) -> None:
     compression = compression_spec(config)
     from fedemu.server.algorithm import aggregation_problem
 
-    refusal = aggregation_problem(config["run"]["aggregation"], algorithm,
-                                  compression.structured != "none" or compression.sketched)
+    refusal = aggregation_problem(config["run"]["aggregation"], algorithm, compression.compresses)
     if refusal:
         raise ConfigError(refusal)
-    if (compression.structured != "none" or compression.sketched) and algorithm.uploads:
+    if compression.compresses and algorithm.uploads:
         from fedemu.server.algorithm import built_in
 
         compressible = [name for name, cls in built_in().items() if not cls.uploads]
@@ -452,7 +451,7 @@ def server_settings(config: dict, workers: int, device: str):
         target_accuracy=run["target_accuracy"], max_uploads_per_client=run["max_uploads_per_client"],
         max_wall_s=run["max_wall_s"], progress_timeout_s=run["progress_timeout_s"], workers=workers,
         startup_timeout_s=run["startup_timeout_s"], time_scale=run["time_scale"], clock=run["clock"],
-        compression=compression.to_dict() if compression.structured != "none" or compression.sketched else None,
+        compression=compression.to_dict() if compression.compresses else None,
         over_select=algo["over_select"], on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
         merge_s=algo["merge_s"], client_log=run["client_log"], device=device, aggregation=run["aggregation"],
     )

@@ -91,18 +91,18 @@ def checked(task: type[LocalTask], output: TaskOutput) -> TaskOutput:
     an encoding), and an ``extra`` of what the wire carries (numbers, strings, lists,
     dicts, NumPy arrays). A plug-in's mistake then fails its client with this message,
     not the reply's delayed send on a node thread, where no one would see it."""
-    where = reference(task)
     if output.update is None and output.encoded is None:
-        raise BadTaskOutput(f"local task {where!r} returned no update")
+        raise BadTaskOutput(f"local task {reference(task)!r} returned no update")
     if output.update is not None and (not isinstance(output.update, np.ndarray) or output.update.ndim != 1):
-        raise BadTaskOutput(f"local task {where!r} returned an update of type {type(output.update).__name__}"
+        raise BadTaskOutput(f"local task {reference(task)!r} returned an update of type {type(output.update).__name__}"
                             f"{'' if not isinstance(output.update, np.ndarray) else f' and shape {output.update.shape}'}"
                             "; it must be a flat NumPy array (models.get_flat)")
     if output.extra:
         try:
             wire.pack_body(output.extra)  # arrays by reference: no copy
         except (TypeError, ValueError) as exc:
-            raise BadTaskOutput(f"local task {where!r} returned an extra that cannot be sent: {exc}") from None
+            raise BadTaskOutput(f"local task {reference(task)!r} returned an extra that cannot be sent: "
+                                f"{exc}") from None
     return output
 
 

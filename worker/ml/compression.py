@@ -144,6 +144,11 @@ class CompressionSpec:
     def sketched(self) -> bool:
         return self.subsample < 1.0 or self.rotate or self.bits is not None
 
+    @property
+    def compresses(self) -> bool:
+        """Whether updates are compressed at all (structured, sketched or both)."""
+        return self.structured != "none" or self.sketched
+
 
 def _validated(values: dict, prefix: str) -> dict:
     """Checked and normalized spec values; a ValueError names the first bad key."""
