@@ -130,7 +130,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
-    run, algo = config["run"], config["algorithm"]
+    algo = config["algorithm"]
     _set_torch_threads(config, 1)
     device = _device(config, "the server", server=True)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).

@@ -32,7 +32,6 @@ from fedemu.worker.ml import models, training
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
-from fedemu.worker.ml.exact_sum import ExactSum
 from fedemu.worker import tasks
 from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
                                     as_pid_map)

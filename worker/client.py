@@ -20,7 +20,7 @@ from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
-    TRAIN, AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
+    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .ml.compression import UpdateCodec, update_seed
