@@ -46,7 +46,7 @@ import numpy as np
 import zmq
 
 from fedemu.node import wire
-from fedemu.node.broker import BROKER_PID
+from fedemu.node.wire import BROKER_PID
 from fedemu.node.wire import CTL, USER, Pid
 
 HERE = Path(__file__).resolve().parent

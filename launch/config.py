@@ -137,7 +137,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 # [network] is nested (profiles, assignments, drop-outs, stragglers): the link model in
-# fedemu.node.links and fedemu.worker.stragglers validate it, naming each key.
+# fedemu.node.net.links and fedemu.worker.stragglers validate it, naming each key.
 NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
@@ -404,7 +404,7 @@ def findings(config: dict) -> list:
 def network_parts(config: dict):
     """(NetworkSpec for the broker, StragglerSpec for the workers) of a config; a bad
     value raises ConfigError naming the key."""
-    from fedemu.node.links import LinkConfigError, NetworkSpec
+    from fedemu.node.net.links import LinkConfigError, NetworkSpec
     from fedemu.worker.stragglers import stragglers_from_config
 
     section = dict(config.get("network", {}))

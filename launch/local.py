@@ -70,7 +70,7 @@ class LocalRun:
     def _network_by_machine(self, clients_of: dict[str, range]) -> list[tuple[str, frozenset[int]]]:
         """network.assign with its ``machine`` entries resolved to the clients each host
         runs (empty when there are none); a host the run does not have is a LaunchError."""
-        from fedemu.node.links import LinkConfigError
+        from fedemu.node.net.links import LinkConfigError
 
         spec, _ = configuration.network_parts(self.config)
         if not spec.machines:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fedemu.node import Broker, Node
-from fedemu.node.links import NetworkSpec
+from fedemu.node.net.links import NetworkSpec
 
 from .lifecycle import STOP_SIGNALS, parent_died, stop_reason
 

@@ -1,6 +1,7 @@
 """fedemu.node — the runtime: processes, mailboxes, monitors, the wire format and the
 broker. It moves bytes and ndarrays and knows nothing of learning (no torch here)."""
-from .broker import BROKER_NODE, Broker
+from .broker import Broker
+from .wire import BROKER_NODE
 from .runtime import (
     TIMEOUT,
     Behaviour,

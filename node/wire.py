@@ -30,8 +30,14 @@ from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
+import zmq
 
 VERSION = 1
+
+# Plain ints for the socket loops (broker and node I/O): OR-ing or passing zmq's Flag enums
+# costs microseconds per frame.
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE = int(zmq.SNDMORE)
 
 # Message kinds (header[1]).
 USER = 0  # a message between processes

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid, Process
-from fedemu.node.holding import BrokerClock, clock_identity
+from fedemu.node.runtime.holding import BrokerClock, clock_identity
 from fedemu.server.runlog import read_events
 
 from .realprocs import Procs
@@ -411,7 +411,7 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
 def test_a_clients_node_hears_of_its_per_round_drop_outs_at_each_round(procs):
     """Per-round drop-outs are decided when the server announces a round: the client's
     node must hear of each change then, matching the seeded decisions."""
-    from fedemu.node.links import NetworkSpec
+    from fedemu.node.net.links import NetworkSpec
 
     network = {"dropout": {"per_round": 0.5, "clients": "0"}}
     expected_spec = NetworkSpec.from_config(network, num_clients=4, run_seed=1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Node, Pid, wire
-from fedemu.node.links import DOWN, NetworkSpec
+from fedemu.node.net.links import DOWN, NetworkSpec
 from fedemu.node.wire import MANY, USER, WireError
 
 from .realprocs import Procs

@@ -7,7 +7,7 @@ import statistics
 import numpy as np
 import pytest
 
-from fedemu.node.links import (
+from fedemu.node.net.links import (
     DOWN, UP, Availability, LinkConfigError, LinkProfile, Network, jitter_sample, parse_bandwidth, uniform,
 )
 
@@ -178,7 +178,7 @@ def test_profile_validation_names_the_key():
 
 
 def test_machine_entries_resolve_to_each_hosts_clients_in_config_order():
-    from fedemu.node.links import NetworkSpec
+    from fedemu.node.net.links import NetworkSpec
 
     spec = NetworkSpec.from_config({"assign": [
         {"profile": "lte", "machine": "h2"},
@@ -197,7 +197,7 @@ def test_machine_entries_resolve_to_each_hosts_clients_in_config_order():
 
 
 def test_a_machine_entry_stands_alone():
-    from fedemu.node.links import NetworkSpec
+    from fedemu.node.net.links import NetworkSpec
 
     with pytest.raises(LinkConfigError, match=r"network.assign\[0\]: machine = 'h2' must name one host"):
         NetworkSpec.from_config({"assign": [{"profile": "lte", "machine": "h2", "clients": "0-9"}]}, 100, 1)
@@ -233,7 +233,7 @@ def test_every_seeded_choice_draws_from_its_own_named_stream():
     window and the first permanent leave pick independent clients (numbered salts
     once made them the same draw), and a group's choice is not uplink k's first
     Gilbert-Elliott or loss draw."""
-    from fedemu.node.links import NetworkSpec
+    from fedemu.node.net.links import NetworkSpec
 
     K = 200
     windows = [{"fraction": 0.5, "start_s": 1.0 + i, "end_s": 2.0 + i} for i in range(11)]

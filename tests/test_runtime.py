@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, NodeError, Pid, wire
-from fedemu.node.broker import BROKER_PID
-from fedemu.node.runtime import BUSY_BROKER_FACTOR
+from fedemu.node.wire import BROKER_PID
+from fedemu.node.runtime.runtime import BUSY_BROKER_FACTOR
 
 
 HEARTBEAT_TIMEOUT = 1.0

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import streams
-from fedemu.node.links import uniform as link_uniform
+from fedemu.node.net.links import uniform as link_uniform
 
 
 def test_a_stream_depends_only_on_its_seed_purpose_and_ids():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Node, Pid, Stalled, wire
-from fedemu.node.links import NetworkSpec
+from fedemu.node.net.links import NetworkSpec
 from fedemu.node.wire import USER
 
 from .realprocs import Procs

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from fedemu.node import streams
-from fedemu.node.links import LinkConfigError, parse_ids
+from fedemu.node.net.links import LinkConfigError, parse_ids
 
 DISTRIBUTIONS = ("none", "fixed", "lognormal", "pareto", "classes")
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from . import wire
+from .. import wire
 from .registry import NodeInfo
 from .vclock import sender_of
-from .wire import BROKER_NODE, CTL, MANY, USER, VERSION, Pid
+from ..wire import BROKER_NODE, CTL, MANY, USER, VERSION, Pid
 
 
 class Routing:

@@ -22,12 +22,11 @@ from typing import Any
 
 import zmq
 
-from . import control, wire
-from .broker import _NOBLOCK, _SNDMORE
-from .control import RELAYED_OPS, WORK_OPS
+from .. import control, wire
+from ..control import RELAYED_OPS, WORK_OPS
 from .process import Message, Process
-from .security import PROTOCOL_ERRORS, pending_monitor_events
-from .wire import BROKER_NODE, BROKER_PID, CTL, MANY, USER, Hold, Pid, WireError
+from ..security import PROTOCOL_ERRORS, pending_monitor_events
+from ..wire import BROKER_NODE, BROKER_PID, CTL, MANY, USER, Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.node")
 
@@ -195,7 +194,7 @@ class Transport:
                         # Frame by frame with int flags, as the broker reads: recv_multipart's
                         # per-frame option and flag handling cost more than decoding.
                         try:
-                            frame = recv(_NOBLOCK, copy=False)
+                            frame = recv(wire.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         frames = [frame]
@@ -245,7 +244,7 @@ class Transport:
         send = self._send_frame
         last = len(frames) - 1
         for i, frame in enumerate(frames):
-            send(frame, _SNDMORE if i < last else 0, copy=len(frame) < zmq.COPY_THRESHOLD)
+            send(frame, wire.SNDMORE if i < last else 0, copy=len(frame) < zmq.COPY_THRESHOLD)
 
     def _watch_handshake(self, poller: zmq.Poller) -> bool:
         """Note a refused handshake for :meth:`start`; once welcomed, stop watching.

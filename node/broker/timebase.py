@@ -10,8 +10,8 @@ names or sockets; and from routing because wall time never comes here.
 """
 from __future__ import annotations
 
-from . import wire
-from .wire import Pid
+from .. import wire
+from ..wire import Pid
 
 
 class Release(list):

@@ -15,8 +15,8 @@ import logging
 import math
 from typing import Iterable
 
-from .links import LinkConfigError, parse_ids
-from .wire import Pid
+from ..net.links import LinkConfigError, parse_ids
+from ..wire import Pid
 
 log = logging.getLogger("fedemu.broker")
 

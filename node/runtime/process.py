@@ -25,7 +25,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 from .clock import TimerRef
-from .wire import USER, Pid, message
+from ..wire import USER, Pid, message
 
 if TYPE_CHECKING:
     from .runtime import Node

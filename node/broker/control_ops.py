@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from . import control, wire
-from .control import QUIET_OPS
-from .holding import clock_identity
-from .wire import Pid, WireError
+from .. import control, wire
+from ..control import QUIET_OPS
+from ..runtime.holding import clock_identity
+from ..wire import Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
 

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from .wire import Pid
+from ..wire import Pid
 
 if TYPE_CHECKING:
     from .broker import Broker

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .streams import uniform
+from ..streams import uniform
 
 UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}

@@ -19,10 +19,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import wire
+from .. import wire
 from .clock import TimerRef, VirtualClock, WallClock, WallTimers
 from .process import ThreadProcess
-from .wire import BROKER_PID, CTL, Pid
+from ..wire import BROKER_PID, CTL, Pid
 
 if TYPE_CHECKING:
     from .process import Process

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .wire import Pid, WireError
+from ..wire import Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
 

@@ -33,17 +33,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import wire
+from .. import wire
 from .holding import BrokerClock, HeldMessages
 from .node_control import NodeControl
 # The process API is re-exported (see __all__): callers import it from here.
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, Message, NodeError, Process, Stalled,
                       ThreadProcess)
-from .security import RunKeys
+from ..security import RunKeys
 from .table import ProcessTable
 from .timekeeping import Timekeeping
 from .transport import Transport
-from .wire import BROKER_NODE, BROKER_PID, USER, Pid
+from ..wire import BROKER_NODE, BROKER_PID, USER, Pid
 
 log = logging.getLogger("fedemu.node")
 

@@ -12,9 +12,9 @@ import logging
 import threading
 from typing import Any
 
-from . import wire
+from .. import wire
 from .process import BehaviourProcess, LinkChange, Message, Stalled, ThreadProcess
-from .wire import BROKER_PID
+from ..wire import BROKER_PID
 
 log = logging.getLogger("fedemu.node")
 

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable
 
 from .process import Behaviour, BehaviourProcess, Down, NodeError, Process, ThreadProcess, crash_reason
-from .wire import BROKER_PID, Pid
+from ..wire import BROKER_PID, Pid
 
 log = logging.getLogger("fedemu.node")
 

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import wire
+from .. import wire
 from .links import DOWN, UP, Network, NetworkSpec
-from .registry import NodeInfo
-from .wire import Hold, Pid, WireError
+from ..broker.registry import NodeInfo
+from ..wire import Hold, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
 

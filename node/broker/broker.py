@@ -30,24 +30,22 @@ import time
 
 import zmq
 
-from . import wire
-from .broker_control import BrokerControl
-from .broker_vtime import VirtualTimeCalls
-from .control import WORK_OPS
-from .emulation import BrokerStats, LinkCounters, LinkEmulation
-from .links import NetworkSpec
+from .. import wire
+from .control_ops import BrokerControl
+from .timebase import VirtualTimeCalls
+from ..control import WORK_OPS
+from ..net.emulator import BrokerStats, LinkCounters, LinkEmulation
+from ..net.links import NetworkSpec
 from .network_changes import NetworkChanges
 from .registry import Registry
 from .routing import Routing
-from .security import Admission, RunKeys
+from ..security import Admission, RunKeys
 from .vclock import VirtualScheduler
-from .wire import BROKER_NODE, BROKER_PID, CTL, Pid, WireError
+from ..wire import BROKER_NODE, BROKER_PID, CTL, Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
 
-# Plain ints: OR-ing or passing zmq's Flag enums costs microseconds per frame.
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK, _SNDMORE = wire.NOBLOCK, wire.SNDMORE
 
 CLOCKS = ("wall", "virtual")
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .wire import Hold, Pid
+from ..wire import Hold, Pid
 
 # Round-trip samples kept for the clock offset: 16 heartbeats (8 s at the default
 # interval) bound the drift between two machines' clocks while still finding a quick one.
