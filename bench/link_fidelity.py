@@ -137,8 +137,8 @@ def bandwidth_text(rate: float) -> str:
 #   (the broker's loop picked it up) -> broker out (handed to zmq towards the receiver)
 #   -> receiver I/O (the receiving node's I/O thread got it) -> t_recv (the process),
 # and the broker notes when the model says it is due. The sockets are subclasses that
-# only add the stamp; the broker is fedemu's Broker with _on_message, _send and
-# network.transmit wrapped, in its own process like `fedemu broker`.
+# only add the stamp; the broker is fedemu's Broker with its router's on_message, send and
+# the link model's transmit wrapped, in its own process like `fedemu broker`.
 
 HOPS = ("sender", "to_broker", "broker", "to_receiver")  # the relay; overlaps the model's delay
 PARTS = ("clock", "late", "release")  # add up to the error
@@ -201,30 +201,33 @@ def run_instrumented_broker(bind: str, endpoint_file: Path, network_file: Path, 
     class InstrumentedBroker(Broker):
         current: int | None = None
 
-        def _on_message(self, identity, frames):
-            now = time.monotonic()
-            self.current = seq_of(frames[1].bytes) if len(frames) > 2 else None
-            if self.current is not None:
-                came_in[self.current] = now
-            super()._on_message(identity, frames)
-
-        def _send(self, identity, msg, node):
+        def send(self, identity, msg, node):
             body = msg[1] if len(msg) > 2 else None
             seq = seq_of(body.bytes if isinstance(body, zmq.Frame) else bytes(body)) if body is not None else None
             if seq is not None:
                 went_out[seq] = time.monotonic()
-            super()._send(identity, msg, node)
+            super().send(identity, msg, node)
 
     broker = InstrumentedBroker(bind, network=spec)
-    transmit = broker.network.transmit
+    on_message = broker.router.on_message
+
+    def noting_on_message(identity, frames):
+        broker.current = seq_of(frames[1].bytes) if len(frames) > 2 else None
+        if broker.current is not None:
+            came_in[broker.current] = time.monotonic()
+        on_message(identity, frames)
+
+    broker.router.on_message = noting_on_message
+    transmit = broker.links.network.transmit
+    wall_of = broker.time._wall  # diagnostics only: the wall time of an emulated instant
 
     def noting_transmit(link, direction, size, now):
         verdict = transmit(link, direction, size, now)
         if broker.current is not None and verdict.arrival is not None:
-            due[broker.current] = broker._t0 + verdict.arrival / broker.time_scale
+            due[broker.current] = wall_of(verdict.arrival)
         return verdict
 
-    broker.network.transmit = noting_transmit
+    broker.links.network.transmit = noting_transmit
     tmp = endpoint_file.with_suffix(".tmp")
     tmp.write_text(broker.endpoint + "\n")
     os.replace(tmp, endpoint_file)

@@ -1,47 +1,45 @@
 """The broker: one ZeroMQ ROUTER every node connects to; it plays the network.
 
 Every message between nodes passes here. The broker unpacks only the small header
-frame, so its cost per message does not grow with the payload. Its jobs each have a
-module; :class:`Broker` is made of them:
+frame, so its cost per message does not grow with the payload. It is one socket and
+its serve loop (this module) holding collaborators, each with one job:
 
-* routing.py: where each message goes (the fast path, names, relayed control);
-* emulation.py: link emulation's decisions (a message's link, its arrival or loss)
-  and the counters per link and direction, and of every dropped message by reason;
-* registry.py: the nodes and their liveness, the global names, the links' owners;
-* network_changes.py: the network changing as the run goes (rounds' drop-outs,
-  ``set_links``, scripted events) and clients' devices told when they go offline;
-* broker_control.py: what each control op addressed to the broker does;
-* broker_vtime.py: what the virtual-time scheduler (vclock.py) calls back.
+* ``registry`` (registry.py): the nodes and their liveness, the global names, the
+  links' owners;
+* ``links`` (net/emulator.py): the link emulator: every client link's state, how each
+  message crosses its link, the network's own changes, and the books;
+* ``time`` (timebase.py): the run's clock, wall or virtual, which decides when what
+  processes send takes effect and when what is due is delivered;
+* ``router`` (routing.py): where each message goes (the fast path, names, relayed
+  control, the slow path that names what is wrong);
+* ``changes`` (network_changes.py): the network changing as the run goes, and the
+  devices told when they go offline;
+* ``control`` (control_ops.py): what each control op addressed to the broker does.
 
-They are mixins rather than objects because they share the broker's tables (nodes,
-names, links, the network) at nearly every step. This module keeps the socket: the
-serve loop, reading bursts, sending frames. With :class:`~fedemu.node.security.RunKeys`
-the ROUTER is a CURVE server that admits only the run's nodes (security.Admission);
-every refused connection is logged and counted (``refused``).
-
-A malformed frame, an unknown destination or an oversize message is logged with the
-reason and dropped; the broker keeps serving everyone else.
+With :class:`~fedemu.node.security.RunKeys` the ROUTER is a CURVE server that admits
+only the run's nodes (security.Admission); every refused connection is logged and
+counted (``refused``). A malformed frame, an unknown destination or an oversize message
+is logged with the reason and dropped; the broker keeps serving everyone else.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from .. import wire
-from .control_ops import BrokerControl
-from .timebase import VirtualTimeCalls
-from ..control import WORK_OPS
-from ..net.emulator import BrokerStats, LinkCounters, LinkEmulation
+from ..net.emulator import LinkEmulator
 from ..net.links import NetworkSpec
+from ..security import Admission, RunKeys
+from ..wire import CTL, Pid, WireError
+from .control_ops import BrokerControl
 from .network_changes import NetworkChanges
 from .registry import Registry
-from .routing import Routing
-from ..security import Admission, RunKeys
-from .vclock import VirtualScheduler
-from ..wire import BROKER_NODE, BROKER_PID, CTL, Pid, WireError
+from .routing import Router
+from .timebase import VirtualTimebase, WallTimebase
 
 log = logging.getLogger("fedemu.broker")
 
@@ -50,7 +48,26 @@ _NOBLOCK, _SNDMORE = wire.NOBLOCK, wire.SNDMORE
 CLOCKS = ("wall", "virtual")
 
 
-class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, VirtualTimeCalls):
+@dataclass
+class BrokerStats:
+    """The broker's own books; the links' are the link emulator's (``as_dict`` joins them)."""
+
+    dropped: dict[str, int] = field(default_factory=dict)
+    refused: int = 0  # connections refused by authentication
+    fanout_msgs: int = 0  # messages to many, each relayed once to its node
+    fanout_receivers: int = 0  # the receivers those reached (each also counted on its link)
+
+    def as_dict(self, links: LinkEmulator) -> dict[str, Any]:
+        return {
+            **links.books(),
+            "dropped": {**self.dropped, **links.lost_by_reason},
+            "refused": self.refused,
+            "fanout_msgs": self.fanout_msgs,
+            "fanout_receivers": self.fanout_receivers,
+        }
+
+
+class Broker:
     def __init__(
         self,
         bind: str,
@@ -81,26 +98,19 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         # Before the bind: with no ZAP handler bound, libzmq lets every CURVE client in.
         self._admission = Admission(self._ctx, self._sock, keys, self.stats) if keys is not None else None
         self.endpoint = self._bind(bind)
-        self._init_registry()
         self._running = False
-        self._init_emulation(network)
-        self.time_scale = network.time_scale if network is not None else 1.0
-        self._t0 = time.monotonic()  # wall: the wall clock's origin
-        self._now = self._t0  # set once per burst in _drain
-        self._init_devices()
-        # Virtual time: the broker owns the clock and holds every message until due.
-        self.scheduler = VirtualScheduler(self) if clock == "virtual" else None
-        self._stash_ids = 0  # virtual time: bodies of messages to many, held by their nodes
-        self._wake_deadline = math.inf  # the scheduler's next look, in wall time
-        if self.scheduler is not None:
-            self.time_scale = 1.0  # nothing waits on the wall clock
+        self.loop_now = time.monotonic()  # wall: set once per burst, "last seen" for its messages
+        self.links = LinkEmulator(network)
+        self.time = (VirtualTimebase(self) if clock == "virtual"
+                     else WallTimebase(self, network.time_scale if network is not None else 1.0))
+        self.registry = Registry(self)
+        self.changes = NetworkChanges(self)
+        self.router = Router(self)
+        self.control = BrokerControl(self)
 
     def emulated_now(self) -> float:
-        """Emulated seconds since the run's clock started: wall seconds x time_scale
-        since the broker started, or the virtual clock's instant."""
-        if self.scheduler is not None:
-            return self.scheduler.now
-        return (time.monotonic() - self._t0) * self.time_scale  # wall: the wall clock's emulated time
+        """Emulated seconds since the run's clock started."""
+        return self.time.now()
 
     def _bind(self, bind: str) -> str:
         if not bind.startswith("tcp://") and not bind.startswith("ipc://"):
@@ -123,32 +133,25 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         log.info("broker listening on %s%s", self.endpoint, " (CURVE: run keys required)" if self._admission else "")
         try:
             while self._running:
-                wake = min(next_check, self._wake_deadline)
-                self._wake_deadline = math.inf
-                wall_devices = self._device_checks and self.scheduler is None
-                if wall_devices:
-                    wake = min(wake, self._t0 + self._device_checks[0][0] / self.time_scale)
+                wake = min(next_check, self.time.wake())
                 for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):  # wall
                     if sock is self._sock:
                         self._drain()
                     else:
                         self._admission.handle(sock)
-                if self.scheduler is not None:
-                    self.scheduler.step()
-                elif wall_devices:
-                    self._due_device_checks()
+                self.time.step()
                 now = time.monotonic()  # wall: heartbeat bookkeeping
                 if now >= next_check:
-                    self._check_nodes(now)
+                    self.registry.check_nodes(now)
                     self._beat(now)
-                    self._scripted_events(round_=None)
+                    self.links.scripted_events(None, self.time.now())
                     next_check = now + self.heartbeat_interval
         finally:
             if self._admission is not None:
                 self._admission.close()
             self._sock.close(linger=0)
             self._ctx.term()
-            log.info("broker stopped; %s", self.stats.as_dict())
+            log.info("broker stopped; %s", self.stats.as_dict(self.links))
 
     def stop(self) -> None:
         self._running = False
@@ -157,8 +160,8 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         """A heartbeat to every node, unasked: a node's own heartbeat may wait behind
         gigabytes of its uploads in the same stream (5,000 asynchronous clients uploading
         at once), and its answer with it; this one tells the node the broker is alive."""
-        for info in list(self._nodes.values()):
-            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "hb", "now": now})
+        for info in list(self.registry.nodes.values()):
+            self.send_ctl(info.identity, Pid(info.name, 0), {"op": "hb", "now": now})
 
     def _drain(self) -> None:
         # Read everything queued before polling again: one poll per burst. Frame by
@@ -166,9 +169,9 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         # than the rest of the relay. A burst that takes longer than half a heartbeat
         # interval is left for the next turn of the loop, so heartbeats still go out.
         recv = self._sock.recv
-        on_message = self._on_message
-        self._now = time.monotonic()  # wall: "last seen" for every message of this burst
-        give_way = self._now + self.heartbeat_interval / 2
+        on_message = self.router.on_message
+        self.loop_now = time.monotonic()  # wall: "last seen" for every message of this burst
+        give_way = self.loop_now + self.heartbeat_interval / 2
         for count in range(10_000):
             if count % 64 == 63 and time.monotonic() > give_way:  # wall
                 return
@@ -186,12 +189,35 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
             try:
                 on_message(identity, frames)
             except WireError as exc:
-                self._drop("malformed", f"from {identity!r}: {exc}")
+                self.drop("malformed", f"from {identity!r}: {exc}")
             except Exception as exc:  # a bug; still, no input may stop the broker
                 log.exception("error handling a message from %r", identity)
-                self._drop("malformed", f"from {identity!r}: {type(exc).__name__}: {exc}")
+                self.drop("malformed", f"from {identity!r}: {type(exc).__name__}: {exc}")
 
-    def _send(self, identity: bytes, msg: list, node: str) -> None:
+    # --- what processes sent, taking effect -------------------------------------------
+
+    def apply(self, sender: Pid, sequence: int, kind: str, payload: Any) -> None:
+        """Something a process sent, taking effect now (the timebase says when): a user
+        message or a message to many through their links, relayed control, the server's
+        round, a change of links, or the link of a process that ended let go."""
+        if kind == "user":
+            self.router.transmit(sender, sequence, *payload)
+        elif kind == "many":
+            self.router.transmit_many(sender, sequence, *payload)
+        elif kind == "ctl":
+            self.router.relay_ctl(sender, sequence, *payload)
+        elif kind == "round":
+            self.changes.start_round(payload)
+        elif kind == "set_links":
+            self.changes.set_links(payload)
+        elif kind == "disown":
+            self.registry.disown(payload)
+        else:
+            raise ValueError(f"unknown input kind {kind!r}")
+
+    # --- sending ---------------------------------------------------------------------
+
+    def send(self, identity: bytes, msg: list, node: str) -> None:
         """Send ``msg`` (header, body, arrays...) to the node with ``identity``."""
         send = self._send_frame
         try:
@@ -205,17 +231,20 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
                 send(msg[i], _SNDMORE)  # received frames go zero-copy; small bytes are copied
             send(msg[last])
         except zmq.ZMQError as exc:  # the peer vanished between heartbeats
-            self._drop("unreachable", f"node {node!r}: {exc}")
+            self.drop("unreachable", f"node {node!r}: {exc}")
 
-    # --- helpers ----------------------------------------------------------------------
+    def send_to(self, node: str, msg: list) -> None:
+        """Send ``msg`` to the node named ``node``; nothing if it has left the run."""
+        info = self.registry.nodes.get(node)
+        if info is not None:
+            self.send(info.identity, msg, node)
 
-    def _send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None:
+    def send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None:
         node = identity.decode(errors="replace")
-        if self.scheduler is not None and body.get("op") in WORK_OPS:
-            self.scheduler.counted(node)
-        self._send(identity, wire.encode(CTL, BROKER_PID, dst, body), node)
+        self.time.counted(node, body)
+        self.send(identity, wire.encode(CTL, wire.BROKER_PID, dst, body), node)
 
-    def _drop(self, reason: str, detail: str) -> None:
+    def drop(self, reason: str, detail: str) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
         count = self.stats.dropped[reason]
         # Log the first few of each kind in full, then every 1000th: a flood must not
@@ -224,4 +253,4 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
             log.warning("dropped message (%s, #%d): %s", reason, count, detail)
 
 
-__all__ = ["BROKER_NODE", "BROKER_PID", "Broker", "BrokerStats", "CLOCKS", "LinkCounters"]
+__all__ = ["Broker", "BrokerStats", "CLOCKS"]

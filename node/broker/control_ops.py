@@ -11,18 +11,28 @@ from __future__ import annotations
 import logging
 import time
 
+from typing import TYPE_CHECKING, Any
+
 from .. import control, wire
 from ..control import QUIET_OPS
 from ..runtime.holding import clock_identity
 from ..wire import Pid, WireError
 
+if TYPE_CHECKING:
+    from .broker import Broker
+
 log = logging.getLogger("fedemu.broker")
 
 
 class BrokerControl:
-    """Broker's handlers of control ops (a mixin of :class:`~fedemu.node.broker.Broker`)."""
+    """The broker's handlers of control ops."""
 
-    def _control(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    def handle(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
+        broker = self._broker
+        registry, links, clock = broker.registry, broker.links, broker.time
         body = wire.unpack_body(msg[1].buffer, msg[2:])
         try:
             op = control.check(body, control.BROKER)
@@ -30,83 +40,86 @@ class BrokerControl:
             raise WireError(str(exc)) from None
         src = header.src
         if op == "hello":
-            self._join(identity, src.node, known)
-            self._send_ctl(identity, src, {
+            registry.join(identity, src.node, known)
+            broker.send_ctl(identity, src, {
                 "op": "welcome",
-                "heartbeat_interval": self.heartbeat_interval,
-                "heartbeat_timeout": self.heartbeat_timeout,
+                "heartbeat_interval": broker.heartbeat_interval,
+                "heartbeat_timeout": broker.heartbeat_timeout,
                 # Echo and this clock: the node's first estimate of its clock offset;
                 # the clock's identity: a node on this machine needs no estimate.
                 "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),  # wall
-                "clock": "virtual" if self.scheduler is not None else "wall", "time_scale": float(self.time_scale),
+                "clock": clock.name, "time_scale": float(clock.time_scale),
             })
             return
         if not known:
-            self._drop("unknown-node", f"{op!r} from {src.node!r} before hello")
-            self._send_ctl(identity, src, {"op": "unknown_node"})
+            broker.drop("unknown-node", f"{op!r} from {src.node!r} before hello")
+            broker.send_ctl(identity, src, {"op": "unknown_node"})
             return
-        if self.scheduler is not None and op not in QUIET_OPS:
-            self.scheduler.heard(src.node)
+        if op not in QUIET_OPS:
+            clock.heard(src.node)
         if op == "idle":
-            if self.scheduler is None:
-                raise WireError("idle reports are for virtual time; this broker runs on wall time")
-            self.scheduler.report(src.node, body.get("seen"), body.get("next"))
+            clock.report(src.node, body.get("seen"), body.get("next"))
         elif op == "busy":
             pass  # a node busy with work the broker did not hand it (heard() above took note)
         elif op == "clock_start":
-            if self.scheduler is not None and not self.scheduler.started:
-                self.scheduler.started = True
-                log.info("virtual clock started by %s", src)
+            clock.start(src)
         elif op == "hb":
             # The node times the round trip: its send time echoed, and this clock.
-            self._send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})  # wall
+            broker.send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})  # wall
         elif op == "register":
-            self._register(identity, src, body.get("entries"))
+            registry.register(identity, src, body.get("entries"))
         elif op == "unregister":
             names = body.get("names")
             if not isinstance(names, list):
                 raise WireError("unregister needs a list of names")
             pid = body.get("pid")
             pid = pid if isinstance(pid, Pid) and pid.node == src.node else None
-            self._unregister(src.node, names, pid)
+            registry.unregister(src.node, names, pid)
         elif op == "whereis":
             name = body.get("name")
             if not isinstance(name, str):
                 raise WireError(f"whereis needs a name, not {name!r}")
-            self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": self._names.get(name)})
+            broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": registry.names.get(name)})
         elif op == "stats":
-            value = self.stats.as_dict()
-            value["emulated_s"] = round(self.emulated_now(), 6)
-            if self._emulating:
-                now = self.emulated_now()
-                value["offline"] = sorted(k for k in set(self._link_of.values()) if self.network.is_offline(k, now))
+            value = broker.stats.as_dict(links)
+            now = clock.now()
+            value["emulated_s"] = round(now, 6)
+            if links.active:
+                value["offline"] = links.offline_links(registry.link_of.values(), now)
             if body.get("per_link"):
-                value["links"] = {k: vars(c) for k, c in self.stats.links.items()}
-            self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": value})
+                value["links"] = {k: vars(c) for k, c in links.counters.items()}
+            broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": value})
         elif op == "round":
             # The server's round clock: per-round drop-outs and round-scripted events.
             round_ = body.get("round")
             if type(round_) is not int:
                 raise WireError(f"round {round_!r} is not an integer")
             by = body.get("by")
-            if self.scheduler is not None:
-                self.scheduler.accept(by if isinstance(by, Pid) and by.node == src.node else src, "round", round_)
-            else:
-                self._apply_round(round_)
+            clock.take(by if isinstance(by, Pid) and by.node == src.node else src, "round", round_)
         elif op == "set_links":
-            error = self._check_set_links(body)
+            error = links.check_set_links(body)
             if error is None:
-                if self.scheduler is not None:
-                    self.scheduler.accept(src, "set_links", body)
-                else:
-                    self._apply_set_links(body)
-            self._send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
+                clock.take(src, "set_links", body)
+            broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
         elif op == "held_dropped":
-            self._held_dropped(body.get("counts"))
+            _held_dropped(links, body.get("counts"))
         elif op == "shutdown":
             log.info("shutdown requested by %s", src)
-            for info in self._nodes.values():
-                self._send_ctl(info.identity, Pid(info.name, 0), {"op": "shutdown"})
-            self._running = False
+            for info in registry.nodes.values():
+                broker.send_ctl(info.identity, Pid(info.name, 0), {"op": "shutdown"})
+            broker.stop()
         elif op == "bye":
-            self._forget(src.node, reason=None)
+            registry.forget(src.node, reason=None)
+
+
+def _held_dropped(links, counts: Any) -> None:
+    """A node's report of held messages it dropped on an ``offline`` notice (wall clock)."""
+    if not isinstance(counts, list):
+        raise WireError("held_dropped needs a list of [link, direction, count]")
+    for entry in counts:
+        if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)
+                and entry[1] in (0, 1) and 0 < entry[2] <= 1_000_000):
+            raise WireError(f"bad held_dropped entry {entry!r}")
+        link, direction, count = entry
+        for _ in range(count):
+            links.lost(link, direction, "offline")

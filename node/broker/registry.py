@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..wire import Pid, WireError
+
+if TYPE_CHECKING:
+    from .broker import Broker
 
 log = logging.getLogger("fedemu.broker")
 
@@ -28,27 +31,28 @@ class NodeInfo:
 
 
 class Registry:
-    """Broker's nodes, names and link owners (a mixin of :class:`~fedemu.node.broker.Broker`)."""
+    """The broker's nodes, names and link owners."""
 
-    def _init_registry(self) -> None:
-        self._nodes: dict[str, NodeInfo] = {}
-        self._by_identity: dict[bytes, NodeInfo] = {}
-        self._names: dict[str, Pid] = {}
-        self._link_of: dict[tuple[str, int], int] = {}
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self.nodes: dict[str, NodeInfo] = {}
+        self.by_identity: dict[bytes, NodeInfo] = {}
+        self.names: dict[str, Pid] = {}
+        self.link_of: dict[tuple[str, int], int] = {}
         # Clients' devices: the processes owning each link.
-        self._owners: dict[int, set[Pid]] = {}
+        self.owners: dict[int, set[Pid]] = {}
 
-    def _join(self, identity: bytes, node: str, known: bool) -> None:
+    def join(self, identity: bytes, node: str, known: bool) -> None:
         """A node's hello: it is in the run from now (again, if ``known``)."""
         if known:
             log.warning("node %s said hello again; keeping its registrations", node)
-        info = self._nodes[node] = NodeInfo(node, identity, time.monotonic())  # wall
-        self._by_identity[identity] = info
-        if self.scheduler is not None and not known:
-            self.scheduler.join(node)
+        info = self.nodes[node] = NodeInfo(node, identity, time.monotonic())  # wall
+        self.by_identity[identity] = info
+        if not known:
+            self._broker.time.join(node)
         log.info("node %s joined", node)
 
-    def _register(self, identity: bytes, src: Pid, entries: Any) -> None:
+    def register(self, identity: bytes, src: Pid, entries: Any) -> None:
         if not isinstance(entries, list):
             raise WireError("register needs a list of entries")
         owned = []
@@ -58,60 +62,60 @@ class Registry:
             name, pid, link = entry
             if not isinstance(name, str) or not isinstance(pid, Pid) or pid.node != src.node:
                 raise WireError(f"bad register entry {entry!r}")
-            holder = self._names.get(name)
+            holder = self.names.get(name)
             if holder is not None and holder != pid:
                 log.warning("name %r already registered by %s; refused for %s", name, holder, pid)
-                self._send_ctl(identity, src, {"op": "register_failed", "name": name, "holder": holder})
+                self._broker.send_ctl(identity, src, {"op": "register_failed", "name": name, "holder": holder})
                 continue
-            self._names[name] = pid
+            self.names[name] = pid
             if isinstance(link, int):
-                self._link_of[pid] = link
-                self._owners.setdefault(link, set()).add(pid)
+                self.link_of[pid] = link
+                self.owners.setdefault(link, set()).add(pid)
                 owned.append((pid, link))
-        # A new owner of a link already offline (a restarted client) is told at once.
-        self._tell_devices([(pid, True) for pid, link in owned if link in self._devices_offline])
-        self._check_devices({link for _, link in owned})
+        self._broker.changes.owners_joined(owned)
 
-    def _unregister(self, node: str, names: list, pid: Pid | None) -> None:
+    def unregister(self, node: str, names: list, pid: Pid | None) -> None:
         """Names of an ended process: only while they still name it. In virtual time its
         link stays its own until the messages it sent before it ended are taken in."""
         for name in names:
-            holder = self._names.get(name)
+            holder = self.names.get(name)
             if isinstance(name, str) and holder is not None and holder[0] == node and (pid is None or holder == pid):
-                self._names.pop(name)
-                if self.scheduler is not None:
-                    self.scheduler.accept(holder, "disown", holder)
-                else:
-                    self._disown(holder)
+                self.names.pop(name)
+                self._broker.time.take(holder, "disown", holder)
 
-    def _disown(self, pid: Pid) -> None:
-        link = self._link_of.pop(pid, None)
-        owners = self._owners.get(link)
+    def disown(self, pid: Pid) -> None:
+        link = self.link_of.pop(pid, None)
+        owners = self.owners.get(link)
         if owners is not None:
             owners.discard(pid)
             if not owners:
-                del self._owners[link]
+                del self.owners[link]
 
-    def _check_nodes(self, now: float) -> None:
-        for name, info in list(self._nodes.items()):
-            if now - info.last_seen > self.heartbeat_timeout:
-                self._forget(name, reason=f"silent for {now - info.last_seen:.1f}s")
+    def check_nodes(self, now: float) -> None:
+        for name, info in list(self.nodes.items()):
+            if now - info.last_seen > self._broker.heartbeat_timeout:
+                self.forget(name, reason=f"silent for {now - info.last_seen:.1f}s")
 
-    def _forget(self, node: str, reason: str | None) -> None:
-        info = self._nodes.pop(node, None)
+    def forget(self, node: str, reason: str | None) -> None:
+        info = self.nodes.pop(node, None)
         if info is None:
             return
-        self._by_identity.pop(info.identity, None)
-        if self.scheduler is not None:
-            self.scheduler.leave(node)
+        self.by_identity.pop(info.identity, None)
+        self._broker.time.leave(node)
         if reason:
             log.warning("node %s lost (%s)", node, reason)
         else:
             log.info("node %s left", node)
-        for name, pid in list(self._names.items()):
+        for name, pid in list(self.names.items()):
             if pid.node == node:
-                del self._names[name]
-        for pid in [p for p in self._link_of if p[0] == node]:
-            self._disown(pid)
-        for info in self._nodes.values():
-            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "node_down", "node": node})
+                del self.names[name]
+        for pid in [p for p in self.link_of if p[0] == node]:
+            self.disown(pid)
+        for info in self.nodes.values():
+            self._broker.send_ctl(info.identity, Pid(info.name, 0), {"op": "node_down", "node": node})
+
+    def order_of(self, sender: Pid) -> tuple:
+        """Where a sender's messages come among those due at one instant: a client's by
+        its link (its number, whichever node hosts it), then anyone else's by pid."""
+        link = self.link_of.get(sender)
+        return (0, link, "", 0) if link is not None else (1, -1, sender.node, sender.id)

@@ -2,27 +2,41 @@
 message from a known node after reading its header alone, name resolution, control
 relayed between nodes, and the slow path that names what is wrong with anything else.
 
-Apart from the broker's loop (broker.py) because routing is the broker's per-message
-decision, kept in one place so the fast and the slow path can be read side by side: a
-message that crosses a client's link is handed to link emulation (emulation.py), and
-in virtual time everything is handed to the scheduler (broker_vtime.py).
+Routing is the broker's per-message decision, kept in one place so the fast and the
+slow path can be read side by side. A message that crosses a client's link is put
+through the link emulator (net/emulator.py), and the timebase (timebase.py) delivers it
+when due; what processes send takes effect when the timebase says (at once on the wall
+clock, at quiescence in virtual time).
 """
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from .. import wire
-from .registry import NodeInfo
-from .vclock import sender_of
+from ..net.emulator import PENDING
 from ..wire import BROKER_NODE, CTL, MANY, USER, VERSION, Pid
+from .registry import NodeInfo
+from .timebase import Parcel
+from .vclock import sender_of
+
+if TYPE_CHECKING:
+    from .broker import Broker
 
 
-class Routing:
-    """Broker's routing (a mixin of :class:`~fedemu.node.broker.Broker`)."""
+class Router:
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._registry = broker.registry
+        self._links = broker.links
+        self._time = broker.time
+        # On the wall clock a user message is relayed as it comes; in virtual time it
+        # takes effect at quiescence, in its place.
+        self._user = self._user_now if broker.time.take_at_once else self._user_later
 
-    def _on_message(self, identity: bytes, frames: list) -> None:
+    def on_message(self, identity: bytes, frames: list) -> None:
         """One message from ``identity``: ``frames`` = [header, body, arrays...]."""
-        info = self._by_identity.get(identity)
+        info = self._registry.by_identity.get(identity)
         if info is not None and len(frames) >= 2:
             # The fast path: a well-formed user message from a known node (nearly all
             # traffic), checked by wire.user_fields; anything else takes the slow path,
@@ -31,115 +45,139 @@ class Routing:
             size = 0
             for f in frames:
                 size += len(f)
-            if size <= self.max_message_bytes:
+            if size <= self._broker.max_message_bytes:
                 fields = wire.user_fields(frames[0].bytes, info.name)
                 if fields is not None:
                     size -= len(frames[0])  # what a link carries: see wire.link_size
                     if len(fields) == 8:
                         size += fields[7]  # the header's charge: bytes kept at the sender's node
-                    src_node, src_id, dst_node, dst = fields[2:6]
-                    info.last_seen = self._now
-                    if self.scheduler is not None:
-                        self.scheduler.heard(info.name)
-                        self._route_user(fields, frames, size, Pid(src_node, src_id))
-                        return
-                    if dst_node:
-                        target = self._nodes.get(dst_node)
-                        dst_pid = (dst_node, dst)  # a Pid is a tuple: same hash, same key
-                    else:
-                        dst_pid = self._names.get(dst)
-                        target = self._nodes.get(dst_pid[0]) if dst_pid is not None else None
-                    if target is not None and not (self._emulating and self._link_of):
-                        if self._link_of:
-                            self._account((src_node, src_id), dst_pid, size)
-                        else:
-                            self.stats.other_bytes += size
-                            self.stats.other_msgs += 1
-                        self._send(target.identity, frames, target.name)
-                    else:
-                        self._route_user(fields, frames, size, Pid(src_node, src_id))
+                    info.last_seen = self._broker.loop_now
+                    self._user(info, fields, frames, size, Pid(fields[2], fields[3]))
                     return
         self._on_other(identity, info, frames)
 
+    def _user_now(self, info: NodeInfo, fields: list, frames: list, size: int, src: Pid) -> None:
+        """Wall clock: relay at once; with no link to emulate, straight to the node."""
+        dst_node, dst = fields[4], fields[5]
+        registry = self._registry
+        if dst_node:
+            target = registry.nodes.get(dst_node)
+            dst_pid = (dst_node, dst)  # a Pid is a tuple: same hash, same key
+        else:
+            dst_pid = registry.names.get(dst)
+            target = registry.nodes.get(dst_pid[0]) if dst_pid is not None else None
+        link_of = registry.link_of
+        if target is not None and not (self._links.active and link_of):
+            if link_of:
+                self._links.account(link_of.get(src), link_of.get(dst_pid), size)
+            else:
+                self._links.other(size)
+            self._broker.send(target.identity, frames, target.name)
+            return
+        self.transmit(src, 0, fields, frames, size)
+
+    def _user_later(self, info: NodeInfo, fields: list, frames: list, size: int, src: Pid) -> None:
+        self._time.heard(info.name)
+        self._time.take(src, "user", (fields, frames, size))
+
     def _on_other(self, identity: bytes, info: NodeInfo | None, frames: list) -> None:
         """Everything but the fast path: control traffic, emulated links, and faults."""
+        broker = self._broker
         try:
-            wire.check_envelope(frames, self.max_message_bytes)
+            wire.check_envelope(frames, broker.max_message_bytes)
         except wire.OversizeError as exc:
-            self._drop("oversize", f"from {identity!r}: {exc}")
+            broker.drop("oversize", f"from {identity!r}: {exc}")
             return
         header = wire.unpack_header(frames[0].buffer)  # the full checks, naming the fault
         if header.src.node.encode() != identity:
-            self._drop("spoofed", f"header names node {header.src.node!r} but socket is {identity!r}")
+            broker.drop("spoofed", f"header names node {header.src.node!r} but socket is {identity!r}")
             return
         if info is None:
             if header.kind == CTL and header.dst_node == BROKER_NODE:
-                self._control(identity, header, frames, known=False)
+                broker.control.handle(identity, header, frames, known=False)
             else:
-                self._drop("unknown-node", f"message from {header.src.node!r} before hello")
-                self._send_ctl(identity, header.src, {"op": "unknown_node"})
+                broker.drop("unknown-node", f"message from {header.src.node!r} before hello")
+                broker.send_ctl(identity, header.src, {"op": "unknown_node"})
             return
         info.last_seen = time.monotonic()  # wall
         if header.kind == CTL:
             if header.dst_node == BROKER_NODE:
-                self._control(identity, header, frames, known=True)
+                broker.control.handle(identity, header, frames, known=True)
             else:
-                if self.scheduler is not None:
-                    self.scheduler.heard(info.name)
+                self._time.heard(info.name)
                 self._route_ctl(header, frames)
             return
-        if self.scheduler is not None:
-            self.scheduler.heard(info.name)
+        self._time.heard(info.name)
         if header.kind == MANY:
             self._route_many(header, frames)
             return
         # A user message whose timing field is not a send time: route it, unstamped.
-        self._route_user([VERSION, USER, header.src.node, header.src.id, header.dst_node, header.dst],
-                         frames, wire.link_size(frames) + header.charge, header.src)
+        self._time.take(header.src, "user", ([VERSION, USER, header.src.node, header.src.id, header.dst_node,
+                                              header.dst], frames, wire.link_size(frames) + header.charge))
 
-    def _route_user(self, fields: list, frames: list, size: int, src: Pid) -> None:
-        if self.scheduler is not None:  # takes effect at quiescence, in its place
-            self.scheduler.accept(src, "user", (fields, frames, size))
-            return
+    def transmit(self, src: Pid, sequence: int, fields: list, frames: list, size: int) -> None:
+        """A user message sent now (on the wall clock) or at the current instant (in
+        virtual time): through its link's model, if it crosses one, to its delivery."""
         destination = self._destination(fields)
         if destination is None:
             return
         dst_pid, target = destination
-        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
-        if crossing is not None and self._emulating:
-            self._emulate(crossing, size, target, fields, frames)
+        parcel = Parcel(src, sequence, dst_pid, target.name, frames, fields)
+        link_of = self._registry.link_of
+        crossing = self._links.account(link_of.get(src), link_of.get(dst_pid), size) if link_of else \
+            self._links.other(size)
+        if crossing is None or not self._links.active:
+            self._time.deliver(None, parcel)
             return
-        self._send(target.identity, frames, target.name)
+        link, direction = crossing
+        # The sender's send stamp (wall clock): the seventh header field, whatever follows it.
+        arrival = self._links.transmit(link, direction, size, self._time.entry(fields[6] if len(fields) >= 7 else None),
+                                       parcel)
+        if arrival is not None and arrival is not PENDING:
+            self._time.deliver(arrival, parcel, link, direction)
 
     def _route_many(self, header: wire.Header, frames: list) -> None:
         """A message to many processes of one node: each receiver's link is charged and
-        emulated as for a message of its own, and the node gets the body once, with
-        each receiver's hold (in virtual time: a stash, and a release per receiver)."""
+        emulated as for a message of its own, and the node gets the body once."""
         ids = wire.check_ids(wire.unpack_recipients(frames[1]), header.dst)
-        target = self._nodes.get(header.dst_node)
+        if header.dst_node not in self._registry.nodes:
+            self._broker.drop("unknown-destination", f"node {header.dst_node!r} is not connected")
+            return
+        self._time.take(header.src, "many", (header, frames, ids))
+
+    def transmit_many(self, src: Pid, sequence: int, header: wire.Header, frames: list, ids: list[int]) -> None:
+        """A message to many sent now or at the current instant: each receiver's copy
+        through its own link's model."""
+        target = self._registry.nodes.get(header.dst_node)
         if target is None:
-            self._drop("unknown-destination", f"node {header.dst_node!r} is not connected")
+            self._broker.drop("unknown-destination", f"node {header.dst_node!r} is not connected")
             return
-        if self.scheduler is not None:
-            self.scheduler.accept(header.src, "many", (header, frames, ids))
-            return
-        now = time.monotonic()  # wall
-        sent = header.timing if type(header.timing) is float else None
-        to = []
+        entry = self._time.entry(header.timing if type(header.timing) is float else None)
         size = wire.link_size(frames, MANY)
-        for i in ids:
-            crossing = self._account(header.src, Pid(header.dst_node, i), size) if self._link_of else self._other(size)
-            if crossing is None or not self._emulating:
-                to.append([i, 0.0, -1, -1])
+        link_of = self._registry.link_of
+        links = self._links
+        node = target.name
+        stash = self._time.new_stash()
+        arrivals: list[tuple[float | None, Parcel, int, int]] = []
+        pending = 0
+        for index, i in enumerate(ids):
+            parcel = Parcel(src, sequence, Pid(node, i), node, None, None, index, stash)
+            crossing = links.account(link_of.get(src), link_of.get(parcel.receiver), size) if link_of else \
+                links.other(size)
+            if crossing is None or not links.active:
+                arrivals.append((None, parcel, -1, -1))
                 continue
-            due = self._wall_due(*crossing, size, sent, now)
-            if due is not None:
-                to.append([i, due - now, *crossing])
-        if to:
-            self.stats.fanout_msgs += 1
-            self.stats.fanout_receivers += len(to)
-            self._send(target.identity, wire.many_frames(header.src, target.name, len(to), {"at": now, "holds": to},
-                                                         frames[2:]), target.name)
+            arrival = links.transmit(*crossing, size, entry, parcel)
+            if arrival is PENDING:
+                pending += 1
+            elif arrival is not None:
+                arrivals.append((arrival, parcel, *crossing))
+        if not arrivals and not pending:
+            return
+        stats = self._broker.stats
+        stats.fanout_msgs += 1
+        stats.fanout_receivers += len(arrivals) + pending
+        self._time.deliver_many(header, frames, stash, arrivals, pending)
 
     def _destination(self, fields: list) -> tuple[Pid, NodeInfo] | None:
         """A user message's receiver and its node, or None (dropped, with the reason)."""
@@ -147,42 +185,36 @@ class Routing:
         if dst_node:
             dst_pid = Pid(dst_node, dst)
         else:
-            dst_pid = self._names.get(dst)
+            dst_pid = self._registry.names.get(dst)
             if dst_pid is None:
-                self._drop("unknown-destination", f"no process registered as {dst!r}")
+                self._broker.drop("unknown-destination", f"no process registered as {dst!r}")
                 return None
-        target = self._nodes.get(dst_pid.node)
+        target = self._registry.nodes.get(dst_pid.node)
         if target is None:
-            self._drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
+            self._broker.drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
             return None
         return dst_pid, target
 
     def _route_ctl(self, header: wire.Header, msg: list) -> None:
         """Runtime control between nodes (monitor, demonitor, down): relayed as is (in
         virtual time, held and delivered at its instant like a message)."""
-        if self.scheduler is not None:
-            body = wire.unpack_body(msg[1].buffer, msg[2:])
-            watcher = body.get("watcher") if isinstance(body, dict) else None
-            receiver = watcher if isinstance(watcher, Pid) else (header.dst_node, header.dst)
-            self.scheduler.accept(sender_of(header.src, body), "ctl", (header, msg, receiver))
-            return
-        self._relay_ctl(header, msg)
+        body = wire.unpack_body(msg[1].buffer, msg[2:])
+        watcher = body.get("watcher") if isinstance(body, dict) else None
+        receiver = watcher if isinstance(watcher, Pid) else Pid(header.dst_node, header.dst)
+        self._time.take(sender_of(header.src, body), "ctl", (header, msg, receiver))
 
-    def _relay_ctl(self, header: wire.Header, msg: list, hold=None) -> None:
+    def relay_ctl(self, sender: Pid, sequence: int, header: wire.Header, msg: list, receiver: Pid) -> None:
         if header.dst_node:
             dst_node = header.dst_node
         else:
-            pid = self._names.get(header.dst)
+            pid = self._registry.names.get(header.dst)
             dst_node = pid.node if pid is not None else None
-        target = self._nodes.get(dst_node) if dst_node is not None else None
+        target = self._registry.nodes.get(dst_node) if dst_node is not None else None
         if target is None:
-            self._drop("unknown-destination", f"node {dst_node or header.dst!r} is not connected")
+            self._broker.drop("unknown-destination", f"node {dst_node or header.dst!r} is not connected")
             # A monitor or down for a lost node must still resolve: tell the sender.
-            sender = self._nodes.get(header.src.node)
-            if sender is not None and dst_node is not None:
-                self._send_ctl(sender.identity, header.src, {"op": "node_down", "node": dst_node})
+            origin = self._registry.nodes.get(header.src.node)
+            if origin is not None and dst_node is not None:
+                self._broker.send_ctl(origin.identity, header.src, {"op": "node_down", "node": dst_node})
             return
-        if hold is not None:
-            hold(target.name, msg)
-            return
-        self._send(target.identity, msg, target.name)
+        self._time.deliver(None, Parcel(sender, sequence, receiver, target.name, msg, None))

@@ -1,22 +1,65 @@
-"""The broker's side of virtual time: what the scheduler (vclock.py) calls back.
+"""The run's time, as the broker keeps it: two timebases behind one interface.
 
-In virtual time routing hands every input to the scheduler; at quiescence the
-scheduler gives each back here in its fixed order, to be applied (a message through
-its link's model to its due time, a round, a change of links), and delivers what is
-due through the counted sends below.
+Routing and the control ops never ask which clock runs; they hand the timebase what
+processes send (:meth:`take`) and what the link model says is due (:meth:`deliver`,
+:meth:`deliver_many`), and it decides when that happens:
 
-Apart from vclock.py, which decides when time moves and knows nothing of links,
-names or sockets; and from routing because wall time never comes here.
+* :class:`WallTimebase`: emulated time is the host's monotonic clock x ``time_scale``.
+  What processes send takes effect at once. A message whose arrival the link model fixes
+  as it enters goes to its node at once with a :class:`~fedemu.node.wire.Hold` and the
+  node keeps it until due (runtime/holding.py), so the bytes' trip over loopback or the
+  LAN overlaps the emulated delay; one whose arrival is still pending (``tcp``) waits
+  here until the model says it has arrived.
+* :class:`VirtualTimebase`: the broker's discrete-event clock (vclock.py). What processes
+  send takes effect at quiescence, in (sender, sequence) order; everything is held here
+  until due and delivered in (due, sender, sequence) order.
 """
 from __future__ import annotations
 
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
 from .. import wire
-from ..wire import Pid
+from ..control import WORK_OPS
+from ..wire import Hold, Pid, WireError
+from .vclock import VirtualScheduler
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+log = logging.getLogger("fedemu.broker")
+
+# How far back a sender's send stamp may start a message's emulated clock (wall time). A
+# stamp is normally a fraction of a millisecond old; a much older one means a starved
+# sender or a bad clock estimate, and must not let a message skip most of its delay.
+MAX_SEND_AGE_S = 1.0
+
+
+class Parcel(NamedTuple):
+    """One receiver's copy of a message, on its way: what the timebase delivers when due."""
+
+    sender: Pid
+    sequence: int  # the sender's sequence (virtual time's order; 0 on the wall clock)
+    receiver: Pid
+    node: str
+    frames: list | None  # None for a receiver of a message to many (its release is made when needed)
+    fields: list | None = None  # a user message's header fields (the wall clock rewrites them with a hold)
+    index: int = 0  # the receiver's place among those of one message to many
+    stash: int = 0  # a message to many: the body's stash at the node (0: none)
+
+    def outgoing(self, void: bool = False) -> list:
+        """The frames that deliver it: its own, or its stash's release."""
+        if self.stash:
+            return Release(self.sender, self.node, self.stash, self.receiver.id, void)
+        return self.frames
 
 
 class Release(list):
-    """The frames of a stash's release to one receiver (see _transmit_virtual_many);
-    ``void()``: the same release once the copy it stands for was lost on the way."""
+    """The frames of a stash's release to one receiver (a message to many: the body went
+    to the node once, each receiver's copy is released at its own time); ``void()``: the
+    same release once the copy it stands for was lost on the way."""
 
     def __init__(self, src: Pid, node: str, stash: int, receiver: int, void: bool = False) -> None:
         note = {"release": stash, "to": receiver, **({"void": True} if void else {})}
@@ -27,100 +70,297 @@ class Release(list):
         return Release(*self.args, void=True)
 
 
-class VirtualTimeCalls:
-    """Broker's calls for the virtual-time scheduler (a mixin of :class:`~fedemu.node.broker.Broker`)."""
+class Timebase:
+    """What both timebases share; see the module's docstring."""
 
-    def _send_work(self, node: str, frames: list) -> None:
-        """A delivery of the current instant to ``node`` (counted in its books)."""
-        info = self._nodes.get(node)
-        if info is not None:
-            self.scheduler.counted(node)
-            self._send(info.identity, frames, node)
+    name = ""  # "wall" or "virtual", as the welcome tells the nodes
 
-    def _send_work_ctl(self, node: str, body: dict) -> None:
-        info = self._nodes.get(node)
-        if info is not None:
-            self._send_ctl(info.identity, Pid(node, 0), body)
+    take_at_once = False  # whether what processes send takes effect at once (else at its place in the order)
 
-    def _virtual_input(self, sender: Pid, sequence: int, kind: str, payload) -> None:
-        """One thing a process sent during the instant, taken in its place in the order."""
-        if kind == "user":
-            self._transmit_virtual(sender, sequence, *payload)
-        elif kind == "ctl":
-            header, frames, receiver = payload
-            self._relay_ctl(header, frames, hold=lambda node, msg: self.scheduler.hold(
-                self.scheduler.now, sender, sequence, receiver, node, msg))
-        elif kind == "many":
-            self._transmit_virtual_many(sender, sequence, *payload)
-        elif kind == "round":
-            self._apply_round(payload)
-        elif kind == "set_links":
-            self._apply_set_links(payload)
-        elif kind == "disown":
-            self._disown(payload)
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._stash_ids = 0
 
-    def _transmit_virtual(self, src: Pid, sequence: int, fields: list, frames: list, size: int) -> None:
-        """A message sent at the current instant: through its link's model (if it
-        crosses one) to its due time, then held until then."""
-        destination = self._destination(fields)
-        if destination is None:
-            return
-        dst_pid, target = destination
-        now = self.scheduler.now
-        crossing = self._account(src, dst_pid, size) if self._link_of else self._other(size)
-        if crossing is None or not self._emulating:
-            self.scheduler.hold(now, src, sequence, dst_pid, target.name, frames)
-            return
-        link, direction = crossing
-        arrival = self._arrival(link, direction, size, now)
-        if arrival is not None:
-            self.scheduler.hold(arrival, src, sequence, dst_pid, target.name, frames, link, direction)
+    def now(self) -> float:
+        """Emulated seconds since the run's clock started."""
+        raise NotImplementedError
 
-    def _transmit_virtual_many(self, src: Pid, sequence: int, header: wire.Header, frames: list,
-                               ids: list[int]) -> None:
-        """A message to many sent at the current instant: each receiver's copy through
-        its link's model to its own due time. The node gets the body now, once (a
-        stash, not a delivery: it runs nothing), and each receiver a small release at
-        its instant, held and ordered like any message."""
-        target = self._nodes.get(header.dst_node)
-        if target is None:
-            self._drop("unknown-destination", f"node {header.dst_node!r} is not connected")
-            return
-        now = self.scheduler.now
-        arrivals = []
-        size = wire.link_size(frames, wire.MANY)
-        for i in ids:
-            crossing = self._account(src, Pid(target.name, i), size) if self._link_of else self._other(size)
-            if crossing is None or not self._emulating:
-                arrivals.append((now, i, -1, -1))
-                continue
-            arrival = self._arrival(*crossing, size, now)
-            if arrival is not None:
-                arrivals.append((arrival, i, *crossing))
-        if not arrivals:
-            return
+    # What processes send, and what is due.
+
+    def take(self, sender: Pid, kind: str, payload: Any) -> None:
+        """Something a process sent (a user message, a message to many, relayed control, a
+        round, a change of links, an ended process's link): applied by the broker's
+        :meth:`~fedemu.node.broker.Broker.apply`, now or at its place in the order."""
+        raise NotImplementedError
+
+    def entry(self, sent: float | None) -> float:
+        """The emulated time at which a message whose sender stamped it ``sent`` (broker
+        clock; None: unstamped) enters its link."""
+        raise NotImplementedError
+
+    def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
+        """Deliver ``parcel`` at emulated time ``due`` (None: now, no link delays it)."""
+        raise NotImplementedError
+
+    def new_stash(self) -> int:
+        """An id for the body of a message to many, which its node keeps until every
+        receiver's release has come."""
         self._stash_ids += 1
-        stash = self._stash_ids
-        self.stats.fanout_msgs += 1
-        self.stats.fanout_receivers += len(arrivals)
-        self._send(target.identity, wire.many_frames(src, target.name, len(arrivals),
-                                                     {"stash": stash, "count": len(arrivals)}, frames[2:]), target.name)
-        for index, (due, i, link, direction) in enumerate(arrivals):
-            self.scheduler.hold(due, src, sequence, Pid(target.name, i), target.name, Release(src, target.name, stash, i),
-                                link, direction, index)
+        return self._stash_ids
 
-    def _order_of(self, sender: Pid) -> tuple:
-        """Where a sender's messages come among those due at one instant: a client's by
-        its link (its number, whichever node hosts it), then anyone else's by pid."""
-        link = self._link_of.get(sender)
-        return (0, link, "", 0) if link is not None else (1, -1, sender.node, sender.id)
+    def deliver_many(self, header: wire.Header, frames: list, stash: int,
+                     arrivals: list[tuple[float | None, Parcel, int, int]], pending: int) -> None:
+        """A message to many processes of one node: each receiver's copy at its own time,
+        ``arrivals`` (due or None, its parcel, link, direction), or later (``pending``
+        copies, which the link model hands back when they arrive). The body goes to the
+        node once, as a stash, and each receiver gets a small release when due."""
+        node = header.dst_node
+        count = len(arrivals) + pending
+        self._broker.send_to(node, wire.many_frames(header.src, node, count, {"stash": stash, "count": count},
+                                                    frames[2:]))
+        for due, parcel, link, direction in arrivals:
+            self.deliver(due, parcel, link, direction)
 
-    def _clock_moved(self) -> None:
-        """The virtual clock moved on: time-based availability changes and scripted
-        events due by now take effect."""
-        self._due_device_checks()
-        self._scripted_events(round_=None)
+    def arrived(self, now: float) -> None:
+        """What the link model says has arrived by ``now`` (pending transports), each
+        delivered; a lost copy of a message to many still releases its stash, void."""
+        for parcel, arrival, link, direction in self._broker.links.due(now):
+            if arrival is not None:
+                self.deliver(arrival, parcel, link, direction)
+            elif parcel.stash:  # its node frees the body when every release has come
+                self.deliver(None, parcel._replace(frames=parcel.outgoing(void=True), stash=0))
 
-    def _wake_at(self, wall: float) -> None:
+    def drop_in_flight(self, gone: Callable[[int, float], bool]) -> None:
+        """Links for which ``gone(link, now)`` went offline: what is in flight on them is
+        lost (each counted)."""
+        raise NotImplementedError
+
+    def notify(self, node: str, body: dict) -> None:
+        """A broker notice about devices (``availability``) for ``node``."""
+        raise NotImplementedError
+
+    # The run's nodes, as the clock sees them.
+
+    def join(self, node: str) -> None:
+        pass
+
+    def leave(self, node: str) -> None:
+        pass
+
+    def heard(self, node: str) -> None:
+        """Anything from ``node`` but a heartbeat or an idle report."""
+
+    def report(self, node: str, seen: Any, next_timer: Any) -> None:
+        raise WireError("idle reports are for virtual time; this broker runs on wall time")
+
+    def start(self, by: Pid) -> None:
+        """Every worker node is up: the run's clock starts."""
+
+    def counted(self, node: str, body: dict) -> None:
+        """A control message to ``node`` (virtual time counts the work ones)."""
+
+    # The serve loop.
+
+    def step(self) -> None:
+        """After every burst of input, and when the loop wakes."""
+
+    def wake(self) -> float:
+        """When (wall, monotonic) the loop must look again at the latest."""
+        return math.inf
+
+    @property
+    def time_scale(self) -> float:
+        return 1.0
+
+
+class WallTimebase(Timebase):
+    name = "wall"
+    take_at_once = True
+
+    def __init__(self, broker: Broker, time_scale: float) -> None:
+        super().__init__(broker)
+        self._time_scale = time_scale
+        self._t0 = time.monotonic()  # wall: the wall clock's origin
+        # Per link, when the last message forwarded across it is due (broker clock):
+        # while that is ahead, receiving nodes may hold messages of that link.
+        self._flight_until: dict[int, float] = {}
+
+    @property
+    def time_scale(self) -> float:
+        return self._time_scale
+
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) * self._time_scale  # wall: the wall clock's emulated time
+
+    def _wall(self, emulated: float) -> float:
+        return self._t0 + emulated / self._time_scale
+
+    def take(self, sender: Pid, kind: str, payload: Any) -> None:
+        self._broker.apply(sender, 0, kind, payload)
+
+    def entry(self, sent: float | None) -> float:
+        # The model's clock starts when the sender sent (its stamp, in this clock), so the
+        # bytes' trip here is part of the emulated delay, not added to it.
+        now = time.monotonic()  # wall
+        entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
+        return (entry - self._t0) * self._time_scale
+
+    def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
+        frames = parcel.outgoing()
+        if due is not None and link >= 0:
+            now = time.monotonic()  # wall
+            wall_due = self._wall(due)
+            if wall_due > self._flight_until.get(link, 0.0):
+                self._flight_until[link] = wall_due
+            if parcel.fields is not None:
+                frames = [wire.held_header(parcel.fields, Hold(wall_due - now, now, link, direction)), *frames[1:]]
+        self._broker.send_to(parcel.node, frames)
+
+    def deliver_many(self, header, frames, stash, arrivals, pending) -> None:
+        """Every copy's time known as it enters (the ``message`` pipe): one message to the
+        node with each receiver's hold, which the node's held-message heap keeps like any
+        held message."""
+        if pending:
+            super().deliver_many(header, frames, stash, arrivals, pending)
+            return
+        now = time.monotonic()  # wall
+        holds = []
+        for due, parcel, link, direction in arrivals:
+            if due is None or link < 0:
+                holds.append([parcel.receiver.id, 0.0, -1, -1])
+                continue
+            wall_due = self._wall(due)
+            if wall_due > self._flight_until.get(link, 0.0):
+                self._flight_until[link] = wall_due
+            holds.append([parcel.receiver.id, wall_due - now, link, direction])
+        node = header.dst_node
+        self._broker.send_to(node, wire.many_frames(header.src, node, len(holds), {"at": now, "holds": holds},
+                                                    frames[2:]))
+
+    def drop_in_flight(self, gone: Callable[[int, float], bool]) -> None:
+        """Messages held by the receiving nodes: every node hears which links went
+        offline, drops what it holds for them and reports back (``held_dropped``), so the
+        loss is counted like any other."""
+        now = time.monotonic()  # wall
+        for link in [k for k, until in self._flight_until.items() if until <= now]:
+            del self._flight_until[link]  # nothing of it is held anywhere any more
+        emulated = (now - self._t0) * self._time_scale
+        links = [k for k in self._flight_until if gone(k, emulated)]
+        if not links:
+            return
+        for link in links:
+            del self._flight_until[link]
+        registry = self._broker.registry
+        for info in registry.nodes.values():
+            self._broker.send_ctl(info.identity, Pid(info.name, 0), {"op": "offline", "links": links, "at": now})
+
+    def notify(self, node: str, body: dict) -> None:
+        info = self._broker.registry.nodes.get(node)
+        if info is not None:
+            self._broker.send_ctl(info.identity, Pid(node, 0), body)
+
+    def step(self) -> None:
+        links = self._broker.links
+        now = self.now()
+        if links.next_device_check() <= now:
+            self._broker.changes.clock_moved_devices()
+        if links.next_due() <= now:
+            self.arrived(now)
+
+    def wake(self) -> float:
+        links = self._broker.links
+        return self._wall(min(links.next_device_check(), links.next_due()))
+
+
+class VirtualTimebase(Timebase):
+    name = "virtual"
+
+    def __init__(self, broker: Broker) -> None:
+        super().__init__(broker)
+        self.scheduler = VirtualScheduler(self)
+        self._wake_deadline = math.inf  # the scheduler's next look, in wall time
+
+    def now(self) -> float:
+        return self.scheduler.now
+
+    def take(self, sender: Pid, kind: str, payload: Any) -> None:
+        self.scheduler.accept(sender, kind, payload)
+
+    def entry(self, sent: float | None) -> float:
+        return self.scheduler.now
+
+    def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
+        self.scheduler.hold(self.scheduler.now if due is None else due, parcel.sender, parcel.sequence,
+                            parcel.receiver, parcel.node, parcel.outgoing(), link, direction, parcel.index)
+
+    def drop_in_flight(self, gone: Callable[[int, float], bool]) -> None:
+        emulated = self.scheduler.now
+        links = self._broker.links
+        self.scheduler.drop_held(lambda link: gone(link, emulated),
+                                 lambda link, direction: links.lost(link, direction, "offline"))
+
+    def notify(self, node: str, body: dict) -> None:
+        self.scheduler.notify(node, body)  # at the instant it happens, with the node's next advance
+
+    def join(self, node: str) -> None:
+        self.scheduler.join(node)
+
+    def leave(self, node: str) -> None:
+        self.scheduler.leave(node)
+
+    def heard(self, node: str) -> None:
+        self.scheduler.heard(node)
+
+    def report(self, node: str, seen: Any, next_timer: Any) -> None:
+        self.scheduler.report(node, seen, next_timer)
+
+    def start(self, by: Pid) -> None:
+        if not self.scheduler.started:
+            self.scheduler.started = True
+            log.info("virtual clock started by %s", by)
+
+    def counted(self, node: str, body: dict) -> None:
+        if body.get("op") in WORK_OPS:
+            self.scheduler.counted(node)
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def wake(self) -> float:
+        wake, self._wake_deadline = self._wake_deadline, math.inf
+        return wake
+
+    # --- the scheduler's calls back (vclock.VirtualScheduler) ------------------------------
+
+    def order_of(self, sender: Pid) -> tuple:
+        return self._broker.registry.order_of(sender)
+
+    def apply(self, sender: Pid, sequence: int, kind: str, payload: Any) -> None:
+        self._broker.apply(sender, sequence, kind, payload)
+
+    def collect_due(self) -> None:
+        """Pending transports' arrivals due by now, held for delivery at this instant."""
+        if self._broker.links.next_due() <= self.scheduler.now:
+            self.arrived(self.scheduler.now)
+
+    def send_work(self, node: str, frames: list) -> None:
+        """A delivery of the current instant to ``node`` (counted in its books)."""
+        if node in self._broker.registry.nodes:
+            self.scheduler.counted(node)
+            self._broker.send_to(node, frames)
+
+    def send_work_ctl(self, node: str, body: dict) -> None:
+        info = self._broker.registry.nodes.get(node)
+        if info is not None:
+            self._broker.send_ctl(info.identity, Pid(node, 0), body)
+
+    def clock_moved(self) -> None:
+        self._broker.changes.clock_moved()
+
+    def next_change(self) -> float:
+        links = self._broker.links
+        return min(links.next_change(), links.next_due())
+
+    def wake_at(self, wall: float) -> None:
         """Have the serve loop look again (step the scheduler) by ``wall`` (monotonic)."""
         self._wake_deadline = min(self._wake_deadline, wall)

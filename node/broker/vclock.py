@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from ..wire import Pid
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from .timebase import VirtualTimebase
 
 # How long (wall seconds) the run must stay quiescent with nothing pending before it is
 # told it is stalled: a process started from outside the run may be on its way to say so.
@@ -62,8 +62,10 @@ class _NodeView:
 
 
 class VirtualScheduler:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, host: VirtualTimebase) -> None:
+        # Its calls back: order_of, apply, collect_due, send_work, send_work_ctl,
+        # clock_moved, next_change, wake_at.
+        self.host = host
         self.now = 0.0
         self.started = False  # the clock stands at 0 while the run's processes start
         self._views: dict[str, _NodeView] = {}
@@ -140,7 +142,7 @@ class VirtualScheduler:
         due = max(due, self.now, self._last_due.get(key, -math.inf))  # FIFO per pair of processes
         self._last_due[key] = due
         self._holds += 1
-        heapq.heappush(self._held, _Held(due, self.broker._order_of(sender), sequence, index, self._holds, node,
+        heapq.heappush(self._held, _Held(due, self.host.order_of(sender), sequence, index, self._holds, node,
                                          frames, link, direction))
 
     def drop_held(self, gone: Callable[[int], bool], lost: Callable[[int, int], None]) -> None:
@@ -171,7 +173,8 @@ class VirtualScheduler:
                 inputs, self._inputs = self._inputs, []
                 inputs.sort(key=lambda item: (item[0], item[1]))
                 for sender, sequence, kind, payload in inputs:
-                    self.broker._virtual_input(sender, sequence, kind, payload)
+                    self.host.apply(sender, sequence, kind, payload)
+            self.host.collect_due()
             if self._deliver():
                 return
             if not self.started:
@@ -182,13 +185,13 @@ class VirtualScheduler:
                 return
             self.now = max(self.now, at)
             self.instants += 1
-            self.broker._clock_moved()
+            self.host.clock_moved()
             if len(self._last_due) > self._prune_at:
                 self._last_due = {k: due for k, due in self._last_due.items() if due > self.now}
                 self._prune_at = max(1024, 4 * len(self._last_due))
 
     def _next_event(self) -> float:
-        candidates = [self.broker._next_scheduled_change()]
+        candidates = [self.host.next_change()]
         if self._held:
             candidates.append(self._held[0].due)
         candidates += [view.next for view in self._views.values() if view.next is not None]
@@ -217,10 +220,10 @@ class VirtualScheduler:
         for name in sorted(involved):
             deliveries = batches.get(name, [])
             notices = self._notices.pop(name, [])
-            self.broker._send_work_ctl(name, {"op": "advance", "now": float(self.now), "count": len(deliveries),
+            self.host.send_work_ctl(name, {"op": "advance", "now": float(self.now), "count": len(deliveries),
                                               "notices": notices})
             for frames in deliveries:
-                self.broker._send_work(name, frames)
+                self.host.send_work(name, frames)
             self._views[name].idle = False
         return True
 
@@ -234,11 +237,11 @@ class VirtualScheduler:
         if self._stall_seen is None:
             self._stall_seen = now
         if now - self._stall_seen < STALL_GRACE_S:
-            self.broker._wake_at(self._stall_seen + STALL_GRACE_S)
+            self.host.wake_at(self._stall_seen + STALL_GRACE_S)
             return
         self._stalled_told = True
         for name in sorted(self._views):
-            self.broker._send_work_ctl(name, {"op": "stalled", "now": float(self.now)})
+            self.host.send_work_ctl(name, {"op": "stalled", "now": float(self.now)})
             self._views[name].idle = False
 
     @property
@@ -248,8 +251,8 @@ class VirtualScheduler:
 
 class _Held(NamedTuple):
     """A message held until due. Entries compare as tuples, so the fields up to ``tie``
-    are the delivery order: due time, then the sender's place (the broker's
-    ``_order_of``: clients by their link, so a round's uploads reach the server in the
+    are the delivery order: due time, then the sender's place (the timebase's
+    ``order_of``: clients by their link, so a round's uploads reach the server in the
     same order whatever node hosts which client), the sender's sequence, the place
     among the receivers of one message to many, and the order of holding."""
 

@@ -1,38 +1,41 @@
-"""The broker's side of link emulation: each message that crosses a client's link is
-counted on that link and direction, and the link model (links.py) decides at once
-whether it is lost and when it arrives; when clients go offline, what is still in
-flight for them is dropped and counted.
+"""The link emulator: the one home of every client link's state, of how each message
+crosses its link, of the network's changes and of the books.
 
-For a message that crosses a client's link the broker starts the model's clock at the
-sender's send time (stamped in the header, in the broker's clock) and forwards it at
-once with a :class:`~fedemu.node.wire.Hold` in the header; the receiving node keeps it
-until it is due (holding.py). So the time the bytes take to cross loopback or the LAN
-overlaps the emulated delay instead of adding to it, and a busy broker loop does not
-deliver late. A client that goes offline while messages to or from it are held gets
-an ``offline`` notice to every node; they drop what is held for it and report back,
-so the loss is counted here like any other.
+The broker asks it, always with the current emulated time, and never the other way
+round: :meth:`LinkEmulator.transmit` takes a message entering a client's link and says
+when it arrives (a time fixed at once, as the ``message`` pipe gives), that it was lost,
+or that it is :data:`PENDING`: a transport whose deliveries move when other flows start
+or end (``tcp``) hands it back from :meth:`LinkEmulator.due` once it has arrived, and
+:meth:`LinkEmulator.next_due` says when that can next happen. The network's own
+changes (availability switching a device, scripted events, a round's drop-outs,
+``set_links``) are asked the same way: :meth:`next_change`, :meth:`device_changes`.
 
-Apart from routing (routing.py) because these are the model's decisions and the books
-they fill, the same on wall and virtual time; routing only asks.
+No sockets, no clock of its own: the broker's timebase (wall or virtual) decides when
+to ask, and where what is due goes. So wall and virtual time play the same model, and
+the model can be tested alone.
 """
 from __future__ import annotations
 
+import heapq
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable
 
-from .. import wire
-from .links import DOWN, UP, Network, NetworkSpec
-from ..broker.registry import NodeInfo
-from ..wire import Hold, Pid, WireError
+from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
 
 log = logging.getLogger("fedemu.broker")
 
-# How far back a sender's send stamp may start a message's emulated clock. A stamp is
-# normally a fraction of a millisecond old; a much older one means a starved sender
-# or a bad clock estimate, and must not let a message skip most of its delay.
-MAX_SEND_AGE_S = 1.0
+
+class _Pending:
+    """The answer of :meth:`LinkEmulator.transmit` for a message whose arrival is not
+    known yet: :meth:`LinkEmulator.due` returns it once it has arrived."""
+
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = _Pending()
 
 
 @dataclass
@@ -50,60 +53,31 @@ class LinkCounters:
     down_transfer_s: float = 0.0
 
 
-@dataclass
-class BrokerStats:
-    links: dict[int, LinkCounters] = field(default_factory=dict)
-    other_bytes: int = 0
-    other_msgs: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    refused: int = 0  # connections refused by authentication
-    fanout_msgs: int = 0  # messages to many, each relayed once to its node
-    fanout_receivers: int = 0  # the receivers those reached (each also counted on its link)
+class LinkEmulator:
+    """Every client link of a run (``spec``; None: ideal links, nothing emulated)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        links = self.links.values()
-        return {
-            "bytes_up": sum(c.up_bytes for c in links),
-            "bytes_down": sum(c.down_bytes for c in links),
-            "msgs_up": sum(c.up_msgs for c in links),
-            "msgs_down": sum(c.down_msgs for c in links),
-            "lost_up": sum(c.up_lost for c in links),
-            "lost_down": sum(c.down_lost for c in links),
-            "transfer_s_up": round(sum(c.up_transfer_s for c in links), 6),
-            "transfer_s_down": round(sum(c.down_transfer_s for c in links), 6),
-            "bytes_other": self.other_bytes,
-            "msgs_other": self.other_msgs,
-            "dropped": dict(self.dropped),
-            "refused": self.refused,
-            "fanout_msgs": self.fanout_msgs,
-            "fanout_receivers": self.fanout_receivers,
-        }
+    def __init__(self, spec: NetworkSpec | None) -> None:
+        self.spec = spec
+        self.network = spec.build() if spec is not None else Network()
+        # False while no message could be delayed or dropped: the broker skips the model.
+        self.active = not self.network.ideal
+        self.counters: dict[int, LinkCounters] = {}
+        self.lost_by_reason: dict[str, int] = {}
+        self.other_bytes = 0  # messages that cross no client link
+        self.other_msgs = 0
+        # Clients' devices: the links whose owners were told they are offline, and when
+        # to look again: a heap of (emulated time, link) with the one time that counts per link.
+        self._devices_offline: set[int] = set()
+        self._device_checks: list[tuple[float, int]] = []
+        self._device_check_at: dict[int, float] = {}
 
+    # --- books ---------------------------------------------------------------------------
 
-class LinkEmulation:
-    """Broker's link emulation and its books (a mixin of :class:`~fedemu.node.broker.Broker`)."""
-
-    def _init_emulation(self, network: NetworkSpec | None) -> None:
-        self.spec = network
-        self.network = network.build() if network is not None else Network()
-        self._emulating = not self.network.ideal
-        # Per link, when the last message forwarded across it is due (broker clock):
-        # while that is ahead, receiving nodes may hold messages of that link.
-        self._flight_until: dict[int, float] = {}
-
-    def _other(self, size: int) -> None:
-        self.stats.other_bytes += size
-        self.stats.other_msgs += 1
-        return None
-
-    def _account(self, src: Pid, dst: Pid, size: int) -> tuple[int, int] | None:
-        """Count a message on the client link it crosses; returns (link, direction).
-
-        A message from a link owner goes up its link; one to a link owner comes down
-        its link (client-to-client traffic is counted on both, emulated on the uplink).
-        """
-        src_link = self._link_of.get(src)
-        dst_link = self._link_of.get(dst)
+    def account(self, src_link: int | None, dst_link: int | None, size: int) -> tuple[int, int] | None:
+        """Count a message on the client link it crosses; returns (link, direction), or
+        None when it crosses none (counted apart). A message from a link owner goes up
+        its link; one to a link owner comes down its link (client-to-client traffic is
+        counted on both, emulated on the uplink)."""
         if dst_link is not None:
             c = self._counters(dst_link)
             c.down_bytes += size
@@ -115,37 +89,53 @@ class LinkEmulation:
             return src_link, UP
         if dst_link is not None:
             return dst_link, DOWN
-        return self._other(size)
+        self.other(size)
+        return None
 
-    def _emulate(self, crossing: tuple[int, int], size: int, target: NodeInfo, fields: list, frames: list) -> None:
-        link, direction = crossing
-        now = time.monotonic()  # wall
-        due = self._wall_due(link, direction, size, fields[6] if len(fields) == 7 else None, now)
-        if due is None:
-            return
-        header = wire.held_header(fields, Hold(due - now, now, link, direction))
-        self._send(target.identity, [header, *frames[1:]], target.name)
+    def other(self, size: int) -> None:
+        """A message that crosses no client link."""
+        self.other_bytes += size
+        self.other_msgs += 1
 
-    def _wall_due(self, link: int, direction: int, size: int, sent: float | None, now: float) -> float | None:
-        """Wall time: when (broker clock) a message the sender sent at ``sent`` (its
-        stamp; None: unstamped) arrives over ``link``, or None if it is lost (counted)."""
-        # The model's clock starts when the sender sent (its stamp, in this clock),
-        # so the bytes' trip here is part of the emulated delay, not added to it.
-        entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
-        arrival = self._arrival(link, direction, size, (entry - self._t0) * self.time_scale)
-        if arrival is None:
-            return None
-        due = self._t0 + arrival / self.time_scale
-        if due > self._flight_until.get(link, 0.0):
-            self._flight_until[link] = due
-        return due
+    def lost(self, link: int, direction: int, reason: str) -> None:
+        c = self._counters(link)
+        if direction == UP:
+            c.up_lost += 1
+        else:
+            c.down_lost += 1
+        self.lost_by_reason[reason] = self.lost_by_reason.get(reason, 0) + 1
+        log.debug("link %d %s: message dropped (%s)", link, "up" if direction == UP else "down", reason)
 
-    def _arrival(self, link: int, direction: int, size: int, entry: float) -> float | None:
-        """When a message entering ``link`` at emulated time ``entry`` arrives, by the
-        link model, or None if it is lost (counted)."""
+    def books(self) -> dict[str, Any]:
+        """The run's traffic so far, summed over links (the broker's ``stats``)."""
+        links = self.counters.values()
+        return {
+            "bytes_up": sum(c.up_bytes for c in links),
+            "bytes_down": sum(c.down_bytes for c in links),
+            "msgs_up": sum(c.up_msgs for c in links),
+            "msgs_down": sum(c.down_msgs for c in links),
+            "lost_up": sum(c.up_lost for c in links),
+            "lost_down": sum(c.down_lost for c in links),
+            "transfer_s_up": round(sum(c.up_transfer_s for c in links), 6),
+            "transfer_s_down": round(sum(c.down_transfer_s for c in links), 6),
+            "bytes_other": self.other_bytes,
+            "msgs_other": self.other_msgs,
+        }
+
+    def _counters(self, link: int) -> LinkCounters:
+        c = self.counters.get(link)
+        if c is None:
+            c = self.counters[link] = LinkCounters()
+        return c
+
+    # --- messages --------------------------------------------------------------------------
+
+    def transmit(self, link: int, direction: int, size: int, entry: float, parcel: Any = None) -> float | None:
+        """A message of ``size`` bytes entering ``link`` in ``direction`` at emulated time
+        ``entry``: its arrival time, or None if it is lost (counted)."""
         verdict = self.network.transmit(link, direction, size, entry)
         if verdict.dropped is not None:
-            self._lost(link, direction, verdict.dropped)
+            self.lost(link, direction, verdict.dropped)
             return None
         c = self._counters(link)
         if direction == UP:
@@ -153,56 +143,143 @@ class LinkEmulation:
         else:
             c.down_transfer_s += verdict.transfer_s
         # Offline when it would arrive (a scheduled drop-out): lost in flight. Offline
-        # changes made later (set_links, a new round) reach held messages by notice.
+        # changes made later (set_links, a new round) reach what is held by the broker's
+        # timebase (drop_in_flight).
         if self.network.is_offline(link, verdict.arrival):
-            self._lost(link, direction, "offline")
+            self.lost(link, direction, "offline")
             return None
         return verdict.arrival
 
-    def _notify_offline(self) -> None:
-        """After a change that can take clients offline: every node drops what it holds
-        for the clients now offline (in flight when they went), and reports back. In
-        virtual time the broker holds it all, and drops it here."""
-        if self.scheduler is not None:
-            emulated = self.scheduler.now
-            self.scheduler.drop_held(lambda link: self.network.is_offline(link, emulated),
-                                     lambda link, direction: self._lost(link, direction, "offline"))
+    def next_due(self) -> float:
+        """When a PENDING message can next arrive (math.inf: none is pending)."""
+        return math.inf
+
+    def due(self, now: float) -> list[tuple[Any, float, int, int]]:
+        """PENDING messages arrived by ``now``: (parcel, arrival, link, direction), in
+        arrival order."""
+        return []
+
+    # --- the network changing ------------------------------------------------------------
+
+    def is_offline(self, link: int, now: float) -> bool:
+        return self.network.is_offline(link, now)
+
+    def offline_links(self, links: Iterable[int], now: float) -> list[int]:
+        return sorted(k for k in set(links) if self.network.is_offline(k, now))
+
+    @property
+    def per_round_dropouts(self) -> bool:
+        availability = self.network.availability
+        return availability is not None and availability.per_round > 0
+
+    def start_round(self, round_: int, now: float) -> bool:
+        """The server's round ``round_`` begins: per-round drop-outs and round-scripted
+        events. True if clients may have gone offline (what is in flight for them dies)."""
+        self.network.round = round_
+        self.scripted_events(round_, now)
+        return self.network.availability is not None
+
+    def check_set_links(self, body: dict) -> str | None:
+        """None if a set_links request is valid, else the error that names what is wrong."""
+        try:
+            if self.spec is None:
+                raise LinkConfigError("this broker runs without a network spec")
+            parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
+            profile = body.get("profile")
+            if profile is not None and profile not in self.spec.profiles:
+                raise LinkConfigError(f"profile {profile!r} is unknown; profiles are {', '.join(self.spec.profiles)}")
+        except LinkConfigError as exc:
+            return str(exc)
+        return None
+
+    def set_links(self, body: dict) -> None:
+        """Give a group of clients a named profile, or force them offline/online (the
+        request was checked by check_set_links)."""
+        clients = parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
+        profile = body.get("profile")
+        if profile is not None:
+            self.spec.apply(self.network, profile, clients)
+            log.info("clients %s now on profile %s", _ids_text(clients), profile)
+        if body.get("offline") is True:
+            self.network.offline |= clients
+        elif body.get("offline") is False:
+            self.network.offline -= clients
+        self.active = not self.network.ideal
+
+    def scripted_events(self, round_: int | None, now: float) -> None:
+        """Scripted events due by round ``round_`` (None: no new round) or by ``now``."""
+        if self.spec is None:
             return
-        now = time.monotonic()  # wall
-        for link in [k for k, until in self._flight_until.items() if until <= now]:
-            del self._flight_until[link]  # nothing of it is held anywhere any more
-        emulated = (now - self._t0) * self.time_scale
-        links = [k for k in self._flight_until if self.network.is_offline(k, emulated)]
-        if not links:
-            return
+        for event in self.spec.events:
+            due = (event.at_round is not None and round_ is not None and round_ >= event.at_round) or \
+                  (event.at_s is not None and now >= event.at_s)
+            if due and not event.done:
+                event.done = True
+                self.spec.apply(self.network, event.profile, event.clients)
+                self.active = not self.network.ideal
+                log.info("scripted event: clients %s now on profile %s (round %s, t=%.3fs)",
+                         _ids_text(event.clients), event.profile, round_, now)
+
+    def device_changes(self, links: Iterable[int], now: float, owned: Collection[int]) -> list[tuple[int, bool]]:
+        """Which of these links' devices changed between online and offline since their
+        owners were last told: (link, offline) for each; schedules a look at each link's
+        next time-based switch. Only ``owned`` links count (no client owns the others yet:
+        they are looked at when one registers)."""
+        availability = self.network.availability
+        if availability is None and not self.network.offline and not self._devices_offline:
+            return []
+        timed = availability is not None and availability.timed
+        changed = []
         for link in links:
-            del self._flight_until[link]
-        for info in self._nodes.values():
-            self._send_ctl(info.identity, Pid(info.name, 0), {"op": "offline", "links": links, "at": now})
+            if link not in owned:
+                continue
+            offline = self.network.is_offline(link, now)
+            if offline != (link in self._devices_offline):
+                if offline:
+                    self._devices_offline.add(link)
+                else:
+                    self._devices_offline.discard(link)
+                changed.append((link, offline))
+            if timed:
+                at = availability.next_change(link, now)
+                if at < math.inf and self._device_check_at.get(link) != at:
+                    self._device_check_at[link] = at
+                    heapq.heappush(self._device_checks, (at, link))
+        return changed
 
-    def _held_dropped(self, counts: Any) -> None:
-        """A node's report of held messages it dropped on an ``offline`` notice."""
-        if not isinstance(counts, list):
-            raise WireError("held_dropped needs a list of [link, direction, count]")
-        for entry in counts:
-            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)
-                    and entry[1] in (UP, DOWN) and 0 < entry[2] <= 1_000_000):
-                raise WireError(f"bad held_dropped entry {entry!r}")
-            link, direction, count = entry
-            for _ in range(count):
-                self._lost(link, direction, "offline")
+    def due_device_changes(self, now: float, owned: Collection[int]) -> list[tuple[int, bool]]:
+        """Device changes whose time-based switch is due by ``now``."""
+        due = []
+        while self._device_checks and self._device_checks[0][0] <= now:
+            at, link = heapq.heappop(self._device_checks)
+            if self._device_check_at.get(link) == at:  # else superseded by a later push
+                del self._device_check_at[link]
+                due.append(link)
+        return self.device_changes(due, now, owned) if due else []
 
-    def _lost(self, link: int, direction: int, reason: str) -> None:
-        c = self._counters(link)
-        if direction == UP:
-            c.up_lost += 1
-        else:
-            c.down_lost += 1
-        self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
-        log.debug("link %d %s: message dropped (%s)", link, "up" if direction == UP else "down", reason)
+    def device_offline(self, link: int) -> bool:
+        """Whether the owners of ``link`` were last told its device is offline."""
+        return link in self._devices_offline
 
-    def _counters(self, link: int) -> LinkCounters:
-        c = self.stats.links.get(link)
-        if c is None:
-            c = self.stats.links[link] = LinkCounters()
-        return c
+    def next_device_check(self) -> float:
+        """When a device may next switch by itself (emulated; math.inf: never)."""
+        checks = self._device_checks
+        while checks and self._device_check_at.get(checks[0][1]) != checks[0][0]:
+            heapq.heappop(checks)  # superseded by a later look at that link
+        return checks[0][0] if checks else math.inf
+
+    def next_change(self) -> float:
+        """When the network next changes by itself (availability, a scripted event)."""
+        soonest = self.next_device_check()
+        if self.spec is not None:
+            for event in self.spec.events:
+                if event.at_s is not None and not event.done:
+                    soonest = min(soonest, event.at_s)
+        return soonest
+
+
+def _ids_text(ids) -> str:
+    if ids is None:
+        return "all"
+    ids = sorted(ids)
+    return f"{ids[0]}..{ids[-1]} ({len(ids)})" if len(ids) > 3 else str(ids)
