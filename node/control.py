@@ -15,7 +15,8 @@ bye                                            leaving: forget this node
 register        entries                        [name, pid, link] triples: names, client links
 unregister      names (pid)                    a process ended: free its names
 whereis         name, ref                      which pid holds a name (``reply``)
-stats           ref (per_link)                 the broker's counters (``reply``)
+stats           ref (per_link, timeline)       the broker's counters (``reply``); timeline: the transfers
+                                               and device switches not yet taken
 round           round (by)                     the server's round clock: per-round drop-outs
 set_links       ref (clients, profile,         change links while running (``reply``: an error
                 offline)                       or None)

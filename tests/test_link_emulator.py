@@ -79,3 +79,25 @@ def test_the_emulator_counts_each_direction_and_says_when_a_message_arrives():
     books = links.books()
     assert (books["bytes_down"], books["bytes_up"], books["bytes_other"]) == (500, 300, 7)
     assert books["transfer_s_down"] == pytest.approx(0.51)
+
+
+def test_the_timeline_holds_each_transfer_as_it_ended_and_each_device_switch_once():
+    from fedemu.node.net.emulator import TRANSFER_FIELDS, LinkEmulator
+
+    spec = NetworkSpec.from_config({"default_profile": "p", "profiles": {"p": {"latency_ms": 10, "bandwidth": 1000,
+                                                                             "overhead_bytes": 20}},
+                                    "dropout": {"windows": [{"clients": "1", "start_s": 5, "end_s": 8}]}},
+                                   num_clients=2, run_seed=1)
+    links = LinkEmulator(spec)
+    links.transmit(0, UP, 480, 0.0)
+    links.transmit(1, DOWN, 480, 4.9)  # would arrive at 5.41: its device is offline from 5
+    assert links.device_changes([0, 1], 0.0, owned={0, 1}) == []
+    assert links.next_device_check() == 5.0
+    assert links.due_device_changes(5.0, owned={0, 1}) == [(1, True)]
+    assert links.due_device_changes(8.0, owned={0, 1}) == [(1, False)]
+    taken = links.take_timeline()
+    rows = [dict(zip(TRANSFER_FIELDS, row)) for row in taken["transfers"]]
+    assert [(r["link"], r["direction"], r["outcome"]) for r in rows] == [(0, UP, "delivered"), (1, DOWN, "offline")]
+    assert rows[0]["end_s"] == pytest.approx(0.5 + 0.010) and rows[0]["wire_bytes"] == 500
+    assert taken["availability"] == [[1, 5.0, True], [1, 8.0, False]]
+    assert links.take_timeline() == {"transfers": [], "availability": []}  # taken once

@@ -86,6 +86,8 @@ class BrokerControl:
             value["emulated_s"] = round(now, 6)
             if links.active:
                 value["offline"] = links.offline_links(registry.link_of.values(), now)
+            if body.get("timeline"):  # the transfers and device switches since the last asker took them
+                value.update(links.take_timeline())
             if body.get("per_link"):
                 value["links"] = {k: vars(c) for k, c in links.counters.items()}
             broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": value})
@@ -102,7 +104,7 @@ class BrokerControl:
                 clock.take(src, "set_links", body)
             broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": error})
         elif op == "held_dropped":
-            _held_dropped(links, body.get("counts"))
+            _held_dropped(broker, body.get("counts"))
         elif op == "shutdown":
             log.info("shutdown requested by %s", src)
             for info in registry.nodes.values():
@@ -112,7 +114,7 @@ class BrokerControl:
             registry.forget(src.node, reason=None)
 
 
-def _held_dropped(links, counts: Any) -> None:
+def _held_dropped(broker, counts: Any) -> None:
     """A node's report of held messages it dropped on an ``offline`` notice (wall clock)."""
     if not isinstance(counts, list):
         raise WireError("held_dropped needs a list of [link, direction, count]")
@@ -122,4 +124,4 @@ def _held_dropped(links, counts: Any) -> None:
             raise WireError(f"bad held_dropped entry {entry!r}")
         link, direction, count = entry
         for _ in range(count):
-            links.lost(link, direction, "offline")
+            broker.links.lost(link, direction, "offline", broker.time.now())

@@ -297,7 +297,7 @@ class VirtualTimebase(Timebase):
         emulated = self.scheduler.now
         links = self._broker.links
         self.scheduler.drop_held(lambda link: gone(link, emulated),
-                                 lambda link, direction: links.lost(link, direction, "offline"))
+                                 lambda link, direction, due: links.lost(link, direction, "offline", emulated, due))
 
     def notify(self, node: str, body: dict) -> None:
         self.scheduler.notify(node, body)  # at the instant it happens, with the node's next advance

@@ -145,14 +145,14 @@ class VirtualScheduler:
         heapq.heappush(self._held, _Held(due, self.host.order_of(sender), sequence, index, self._holds, node,
                                          frames, link, direction))
 
-    def drop_held(self, gone: Callable[[int], bool], lost: Callable[[int, int], None]) -> None:
+    def drop_held(self, gone: Callable[[int], bool], lost: Callable[[int, int, float], None]) -> None:
         """Drop what is in flight on links now offline (``gone(link)``), each counted
         lost. A receiver's release of a message to many is kept, void: its node frees
         the body when every release has come."""
         kept, changed = [], False
         for entry in self._held:
             if entry.link >= 0 and entry.due > self.now and gone(entry.link):
-                lost(entry.link, entry.direction)
+                lost(entry.link, entry.direction, entry.due)
                 changed = True
                 void = getattr(entry.frames, "void", None)
                 if void is not None:

@@ -37,6 +37,14 @@ class _Pending:
 
 PENDING = _Pending()
 
+# A transfer in the timeline: its link and direction (UP: client to server), when it
+# entered its link and when it ended (arrived, or was lost), its payload and wire bytes
+# (headers included), the bytes sent again, how it ended ("delivered", "loss", "queue",
+# "offline", "timeout"), and for one lost in flight (entry None) the arrival it would
+# have had.
+TRANSFER_FIELDS = ("link", "direction", "entry_s", "end_s", "bytes", "wire_bytes", "retransmitted_bytes", "outcome",
+                   "due_s")
+
 
 @dataclass
 class LinkCounters:
@@ -70,6 +78,11 @@ class LinkEmulator:
         self._devices_offline: set[int] = set()
         self._device_checks: list[tuple[float, int]] = []
         self._device_check_at: dict[int, float] = {}
+        # The timeline's raw facts, until the server takes them (``take_timeline``):
+        # every transfer as it ended (TRANSFER_FIELDS) and every device's switch between
+        # online and offline as its owners were told ([link, emulated time, offline]).
+        self._transfers: list[list] = []
+        self._availability: list[list] = []
 
     # --- books ---------------------------------------------------------------------------
 
@@ -97,7 +110,12 @@ class LinkEmulator:
         self.other_bytes += size
         self.other_msgs += 1
 
-    def lost(self, link: int, direction: int, reason: str) -> None:
+    def lost(self, link: int, direction: int, reason: str, at: float | None = None, due: float | None = None) -> None:
+        """A message on ``link`` never arrives: counted. ``at``: when it was lost after it
+        was given an arrival time ``due`` (its device went offline while it was in
+        flight): the timeline records that too."""
+        if at is not None:
+            self._transfers.append([link, direction, None, at, 0, 0, 0, "offline", due])
         c = self._counters(link)
         if direction == UP:
             c.up_lost += 1
@@ -122,6 +140,14 @@ class LinkEmulator:
             "msgs_other": self.other_msgs,
         }
 
+    def take_timeline(self) -> dict[str, list[list]]:
+        """The transfers that ended and the devices' switches since the last call, for
+        the run's timeline; forgotten here once taken. A transfer is
+        ``TRANSFER_FIELDS``; a switch is [link, emulated time, offline]."""
+        transfers, self._transfers = self._transfers, []
+        availability, self._availability = self._availability, []
+        return {"transfers": transfers, "availability": availability}
+
     def _counters(self, link: int) -> LinkCounters:
         c = self.counters.get(link)
         if c is None:
@@ -134,8 +160,10 @@ class LinkEmulator:
         """A message of ``size`` bytes entering ``link`` in ``direction`` at emulated time
         ``entry``: its arrival time, or None if it is lost (counted)."""
         verdict = self.network.transmit(link, direction, size, entry)
+        wire_size = size + self.network.profile(link, direction).overhead_bytes
         if verdict.dropped is not None:
             self.lost(link, direction, verdict.dropped)
+            self._transfers.append([link, direction, entry, entry, size, wire_size, 0, verdict.dropped, None])
             return None
         c = self._counters(link)
         if direction == UP:
@@ -147,7 +175,9 @@ class LinkEmulator:
         # timebase (drop_in_flight).
         if self.network.is_offline(link, verdict.arrival):
             self.lost(link, direction, "offline")
+            self._transfers.append([link, direction, entry, verdict.arrival, size, wire_size, 0, "offline", None])
             return None
+        self._transfers.append([link, direction, entry, verdict.arrival, size, wire_size, 0, "delivered", None])
         return verdict.arrival
 
     def next_due(self) -> float:
@@ -235,6 +265,7 @@ class LinkEmulator:
                 continue
             offline = self.network.is_offline(link, now)
             if offline != (link in self._devices_offline):
+                self._availability.append([link, now, offline])
                 if offline:
                     self._devices_offline.add(link)
                 else:

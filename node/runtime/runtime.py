@@ -165,9 +165,12 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             return local.pid
         return self.call_broker({"op": "whereis", "name": name}, timeout)
 
-    def broker_stats(self, per_link: bool = False, timeout: float = 5.0) -> dict:
-        """The broker's traffic counters (bytes and messages per direction, drops)."""
-        return self.call_broker({"op": "stats", "per_link": per_link}, timeout)
+    def broker_stats(self, per_link: bool = False, timeline: bool = False, timeout: float = 5.0) -> dict:
+        """The broker's traffic counters (bytes and messages per direction, drops);
+        ``timeline``: also the transfers and device switches since the last such call
+        (``transfers``: net.emulator.TRANSFER_FIELDS; ``availability``: [link, t,
+        offline]), which the broker then forgets: one process of the run takes them."""
+        return self.call_broker({"op": "stats", "per_link": per_link, "timeline": timeline}, timeout)
 
     def announce_round(self, round_: int, by: Pid | None = None) -> None:
         """Tell the broker's network which round starts (per-round drop-outs and
