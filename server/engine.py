@@ -44,7 +44,8 @@ log = logging.getLogger("fedemu.server")
 
 # Broker counters a round event reports as the difference over that round.
 TRAFFIC_KEYS = ("bytes_up", "bytes_down", "msgs_up", "msgs_down", "lost_up", "lost_down",
-                "transfer_s_up", "transfer_s_down")
+                "transfer_s_up", "transfer_s_down", "wire_bytes_up", "wire_bytes_down",
+                "retransmitted_bytes_up", "retransmitted_bytes_down")
 
 
 @message

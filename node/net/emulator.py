@@ -59,6 +59,12 @@ class LinkCounters:
     down_lost: int = 0
     up_transfer_s: float = 0.0  # emulated seconds from entry to arrival, summed
     down_transfer_s: float = 0.0
+    # What the emulated link carried for those messages: headers included (the
+    # ``message`` pipe's overhead_bytes; TCP/IP headers per segment), retransmissions too.
+    up_wire_bytes: int = 0
+    down_wire_bytes: int = 0
+    up_retransmitted_bytes: int = 0  # of the wire bytes, those sent again after a loss
+    down_retransmitted_bytes: int = 0
 
 
 class LinkEmulator:
@@ -136,6 +142,10 @@ class LinkEmulator:
             "lost_down": sum(c.down_lost for c in links),
             "transfer_s_up": round(sum(c.up_transfer_s for c in links), 6),
             "transfer_s_down": round(sum(c.down_transfer_s for c in links), 6),
+            "wire_bytes_up": sum(c.up_wire_bytes for c in links),
+            "wire_bytes_down": sum(c.down_wire_bytes for c in links),
+            "retransmitted_bytes_up": sum(c.up_retransmitted_bytes for c in links),
+            "retransmitted_bytes_down": sum(c.down_retransmitted_bytes for c in links),
             "bytes_other": self.other_bytes,
             "msgs_other": self.other_msgs,
         }
@@ -147,6 +157,15 @@ class LinkEmulator:
         transfers, self._transfers = self._transfers, []
         availability, self._availability = self._availability, []
         return {"transfers": transfers, "availability": availability}
+
+    def _wired(self, link: int, direction: int, wire_bytes: int, retransmitted: int) -> None:
+        c = self._counters(link)
+        if direction == UP:
+            c.up_wire_bytes += wire_bytes
+            c.up_retransmitted_bytes += retransmitted
+        else:
+            c.down_wire_bytes += wire_bytes
+            c.down_retransmitted_bytes += retransmitted
 
     def _counters(self, link: int) -> LinkCounters:
         c = self.counters.get(link)
@@ -161,9 +180,12 @@ class LinkEmulator:
         ``entry``: its arrival time, or None if it is lost (counted)."""
         verdict = self.network.transmit(link, direction, size, entry)
         wire_size = size + self.network.profile(link, direction).overhead_bytes
+        if verdict.dropped != "offline":  # lost to loss or a full queue: its bytes went on the wire
+            self._wired(link, direction, wire_size, 0)
         if verdict.dropped is not None:
             self.lost(link, direction, verdict.dropped)
-            self._transfers.append([link, direction, entry, entry, size, wire_size, 0, verdict.dropped, None])
+            sent = 0 if verdict.dropped == "offline" else wire_size  # offline as it entered: nothing was sent
+            self._transfers.append([link, direction, entry, entry, size, sent, 0, verdict.dropped, None])
             return None
         c = self._counters(link)
         if direction == UP:
