@@ -17,7 +17,9 @@ They are mixins rather than objects because they share the broker's tables (node
 names, links, the network) at nearly every step. This module keeps the socket: the
 serve loop, reading bursts, sending frames. With :class:`~fedemu.node.security.RunKeys`
 the ROUTER is a CURVE server that admits only the run's nodes (security.Admission);
-every refused connection is logged and counted (``refused``).
+with a ``token`` a node joins only if its hello carries it (broker_control.py); every
+refused connection or hello is logged and counted (``refused``). With ``controllers``,
+the ops that steer the run (control.CONTROLLER_OPS) are taken only from those nodes.
 
 A malformed frame, an unknown destination or an oversize message is logged with the
 reason and dropped; the broker keeps serving everyone else.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Iterable
 
 import zmq
 
@@ -63,12 +66,16 @@ class Broker(Routing, LinkEmulation, Registry, NetworkChanges, BrokerControl, Vi
         network: NetworkSpec | None = None,
         keys: RunKeys | None = None,
         clock: str = "wall",
+        token: str | None = None,
+        controllers: Iterable[str] | None = None,
     ) -> None:
         if clock not in CLOCKS:
             raise ValueError(f"clock = {clock!r}: use {' or '.join(CLOCKS)}")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.max_message_bytes = max_message_bytes
+        self._token = token  # a hello must carry it (None: any hello joins)
+        self._controllers = frozenset(controllers) if controllers is not None else None  # None: any node
         self.stats = BrokerStats()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

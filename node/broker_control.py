@@ -14,6 +14,7 @@ import time
 from . import control, wire
 from .control import QUIET_OPS
 from .holding import clock_identity
+from .security import token_matches
 from .wire import Pid, WireError
 
 log = logging.getLogger("fedemu.broker")
@@ -24,12 +25,19 @@ class BrokerControl:
 
     def _control(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
         body = wire.unpack_body(msg[1].buffer, msg[2:])
+        src = header.src
         try:
-            op = control.check(body, control.BROKER)
+            op = control.check(body, control.BROKER,
+                               controller=self._controllers is None or src.node in self._controllers)
+        except control.NotEntitled as exc:
+            self._drop("not-entitled", f"from {src}: {exc}")
+            return
         except control.ControlError as exc:
             raise WireError(str(exc)) from None
-        src = header.src
         if op == "hello":
+            if self._token is not None and not token_matches(self._token, body.get("token")):
+                self._refuse(identity, src, "no token" if body.get("token") is None else "a wrong token")
+                return
             self._join(identity, src.node, known)
             self._send_ctl(identity, src, {
                 "op": "welcome",
@@ -110,3 +118,12 @@ class BrokerControl:
             self._running = False
         elif op == "bye":
             self._forget(src.node, reason=None)
+
+    def _refuse(self, identity: bytes, src: Pid, what: str) -> None:
+        """A hello without the run's token: the process is told, and never joins (so it
+        is in none of virtual time's books); counted and logged (rate-limited, as a
+        stranger may keep trying)."""
+        self.stats.refused += 1
+        if self.stats.refused <= 20 or self.stats.refused % 1000 == 0:
+            log.warning("refused hello from %s (#%d refused): %s, not this run's", src, self.stats.refused, what)
+        self._send_ctl(identity, src, {"op": "refused", "reason": f"{what}: not a node of this run"})
