@@ -265,6 +265,8 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "hint":
         return f"hint: {event['message']}"
     if kind == "fault":
+        if "pid" not in event:  # not lost: its update was refused (the reason says why)
+            return f"fault: client {event['client']} in round {event['round']}: {event['reason']}"
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":
         return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
