@@ -26,6 +26,12 @@ class BrokerControl:
     def _control(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
         body = wire.unpack_body(msg[1].buffer, msg[2:])
         src = header.src
+        if not known and not (isinstance(body, dict) and body.get("op") == "hello"):
+            # Not in the run (yet): nothing but a hello is read, whatever it is.
+            op = body.get("op") if isinstance(body, dict) else None
+            self._drop("unknown-node", f"{op!r} from {src.node!r} before hello")
+            self._send_ctl(identity, src, {"op": "unknown_node"})
+            return
         try:
             op = control.check(body, control.BROKER,
                                controller=self._controllers is None or src.node in self._controllers)
@@ -48,10 +54,6 @@ class BrokerControl:
                 "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),  # wall
                 "clock": "virtual" if self.scheduler is not None else "wall", "time_scale": float(self.time_scale),
             })
-            return
-        if not known:
-            self._drop("unknown-node", f"{op!r} from {src.node!r} before hello")
-            self._send_ctl(identity, src, {"op": "unknown_node"})
             return
         if self.scheduler is not None and op not in QUIET_OPS:
             self.scheduler.heard(src.node)
