@@ -18,9 +18,10 @@ from .lifecycle import child_env, describe_exit, stop_reason
 from .rundir import LaunchError, write_run_file
 
 # The nodes that may steer a run at its broker (shut it down, announce rounds, change the
-# links; node/control.py's CONTROLLER_OPS): the server node, and the launcher's own node
-# (machines.py sets links with it). Never a worker node.
-CONTROLLERS = ("server", "launcher")
+# links; node/control.py's CONTROLLER_OPS): the server node, the launcher's own node
+# (machines.py sets links with it), and an operator's (a script of yours that changes the
+# network while the run goes: docs/network.md). Never a worker node.
+CONTROLLERS = ("server", "launcher", "operator")
 TOKEN_FILE = "run.token"
 
 
