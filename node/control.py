@@ -7,8 +7,8 @@ without its fields is dropped with a reason naming the op and the field.
 Who may send: a node joins with ``hello``, carrying the run's token where the broker has
 one (security.py); until then the broker takes nothing else from it, and a stranger never
 joins. The ops that steer the whole run (``CONTROLLER_OPS``: marked * below) are honoured
-only from the broker's *controllers*, the nodes it was told at start (a run's ``server``
-and ``launcher``), never from a worker node.
+only from the broker's *controllers*, the nodes it was told at start (a run's ``server``,
+``launcher`` and ``operator``), never from a worker node.
 
 Node to broker (``BROKER``):
 
