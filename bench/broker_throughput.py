@@ -68,23 +68,25 @@ def load_average() -> float:
 class Relay:
     """One relay OS process, started with an ephemeral port; ``close`` ends it."""
 
-    def __init__(self, kind: str, workdir: Path):
+    def __init__(self, kind: str, workdir: Path, bind: str = "tcp://127.0.0.1:0", extra: tuple[str, ...] = (),
+                 label: str | None = None):
         self.kind = kind
-        endpoint_file = workdir / f"{kind}.endpoint"
-        if kind == "fedemu":
-            argv = [sys.executable, "-m", "fedemu.launch", "broker", "--bind", "tcp://127.0.0.1:0",
-                    "--endpoint-file", str(endpoint_file), "--log-dir", str(workdir)]
+        self.label = label or kind
+        endpoint_file = workdir / f"{self.label}.endpoint"
+        if kind == "fedemu":  # extra: more `fedemu broker` options (--keys, --token-file)
+            argv = [sys.executable, "-m", "fedemu.launch", "broker", "--bind", bind,
+                    "--endpoint-file", str(endpoint_file), "--log-dir", str(workdir), *extra]
         else:
             argv = [sys.executable, str(HERE / "bare_relay.py"), "--bind", "tcp://127.0.0.1:0",
                     "--endpoint-file", str(endpoint_file)]
-        self.log = open(workdir / f"{kind}.out", "wb")
+        self.log = open(workdir / f"{self.label}.out", "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while not endpoint_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                output = (workdir / f"{kind}.out").read_text(errors="replace").strip()
-                raise RuntimeError(f"{kind} relay did not start:\n{output[-2000:] or '(no output)'}")
+                output = (workdir / f"{self.label}.out").read_text(errors="replace").strip()
+                raise RuntimeError(f"{self.label} relay did not start:\n{output[-2000:] or '(no output)'}")
             time.sleep(0.02)
         self.endpoint = endpoint_file.read_text().strip()
 
@@ -110,12 +112,15 @@ class Relay:
 class ClientPair:
     """A sender and a receiver DEALER connected to one relay."""
 
-    def __init__(self, ctx: zmq.Context, relay: Relay, trial: int, payload):
+    def __init__(self, ctx: zmq.Context, relay: Relay, trial: int, payload, keys=None, token: str | None = None):
+        """``keys`` (a node's RunKeys) and ``token``: what a broker with --keys or
+        --token-file asks of a node."""
         self.kind = relay.kind
         self.tx_name = f"bench-tx-{trial}"
         self.rx_name = f"bench-rx-{trial}"
-        self.tx = self._socket(ctx, self.tx_name, relay.endpoint)
-        self.rx = self._socket(ctx, self.rx_name, relay.endpoint)
+        self.token = token
+        self.tx = self._socket(ctx, self.tx_name, relay.endpoint, keys)
+        self.rx = self._socket(ctx, self.rx_name, relay.endpoint, keys)
         message = wire.encode(USER, Pid(self.tx_name, 1), Pid(self.rx_name, 1), payload)
         self.header = message[0]  # what the receiver checks to tell bench traffic from keepalives
         self.message_bytes = wire.message_size(message)
@@ -132,18 +137,20 @@ class ClientPair:
                 self._echo_to_self(sock, name)
 
     @staticmethod
-    def _socket(ctx: zmq.Context, name: str, endpoint: str) -> zmq.Socket:
+    def _socket(ctx: zmq.Context, name: str, endpoint: str, keys=None) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, name.encode())  # the broker checks it against the header
         sock.setsockopt(zmq.SNDHWM, 0)  # as fedemu nodes: the window bounds the queues instead
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        if keys is not None:
+            keys.make_client(sock)
         sock.connect(endpoint)
         return sock
 
-    @staticmethod
-    def _hello(sock: zmq.Socket, name: str) -> None:
-        sock.send_multipart(wire.encode(CTL, Pid(name, 0), BROKER_PID, {"op": "hello"}))
+    def _hello(self, sock: zmq.Socket, name: str) -> None:
+        token = {"token": self.token} if self.token is not None else {}
+        sock.send_multipart(wire.encode(CTL, Pid(name, 0), BROKER_PID, {"op": "hello", **token}))
         header, body = wire.decode(sock.recv_multipart())
         if header.kind != CTL or body.get("op") != "welcome":
             raise RuntimeError(f"{name}: expected a welcome from the broker, got {body!r}")
@@ -214,14 +221,15 @@ class Trial:
     relay_cpu_us_per_msg: float
 
 
-def trial(ctx: zmq.Context, relay: Relay, trial_no: int, size: str, count: int, window: int) -> Trial:
+def trial(ctx: zmq.Context, relay: Relay, trial_no: int, size: str, count: int, window: int, keys=None,
+          token: str | None = None) -> Trial:
     if size == "800KB":
         payload = np.full(LARGE_BYTES, 7, dtype=np.uint8)
         copy = False  # zero-copy for big frames, as the broker and nodes do
     else:
         payload = b"x" * (SMALL_BODY_BYTES - 2)  # msgpack bin8: 2 bytes of prefix -> 100-byte body
         copy = True  # pyzmq copies small frames faster than it tracks them
-    pair = ClientPair(ctx, relay, trial_no, payload)
+    pair = ClientPair(ctx, relay, trial_no, payload, keys, token)
     try:
         pair.run(max(count // 20, window), window, copy)  # warm-up: connection, allocator, caches
         # The broker's counters are cumulative (earlier trials' teardowns drop a
@@ -237,7 +245,7 @@ def trial(ctx: zmq.Context, relay: Relay, trial_no: int, size: str, count: int, 
         message_bytes = pair.message_bytes
     finally:
         pair.close()
-    return Trial(relay.kind, size, count, seconds, count / seconds, count * message_bytes / seconds / 1e6,
+    return Trial(relay.label, size, count, seconds, count / seconds, count * message_bytes / seconds / 1e6,
                  cpu / count * 1e6)
 
 

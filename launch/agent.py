@@ -173,15 +173,18 @@ class HostAgent:
     def start(self) -> None:
         b = self.bundle
         (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
-        keys_path = self.run_dir / "run.keys"
-        fd = os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(b["keys"])
+        credentials = []
+        for option, field, name in (("--keys", "keys", "run.keys"), ("--token-file", "token", "run.token")):
+            path = self.run_dir / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(b[field])
+            credentials += [option, str(path)]
         for index in b["indices"]:
             name = f"worker-{index}"
             argv = [sys.executable, "-m", "fedemu.launch", "node", "worker", "--index", str(index),
                     "--broker", b["broker"], "--run-dir", str(self.run_dir), "--workers", str(b["workers"]),
-                    "--keys", str(keys_path), "--log-stream"]
+                    *credentials, "--log-stream"]
             # child_env names this agent: the node asks for SIGTERM when the agent dies.
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=child_env(), text=True, errors="replace")
@@ -207,7 +210,7 @@ class HostAgent:
                 proc.wait()
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.run_dir, ignore_errors=True)  # it holds the run's keys
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # it holds the run's keys and token
 
     def serve(self, commands) -> int:
         """Run until every node exits, or ``stop`` / end of input / a signal arrives."""

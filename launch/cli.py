@@ -152,7 +152,7 @@ def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, 
 
 
 @main.command()
-@click.option("--bind", required=True, help="tcp://HOST:PORT to listen on (port 0: any free port).")
+@click.option("--bind", required=True, help="tcp://HOST:PORT (port 0: any free port) or ipc://PATH to listen on.")
 @click.option("--endpoint-file", type=click.Path(dir_okay=False, path_type=Path), help="Write the bound address here.")
 @click.option("--heartbeat-interval", type=float, default=0.5, show_default=True)
 @click.option("--heartbeat-timeout", type=float, default=5.0, show_default=True)
@@ -162,8 +162,13 @@ def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, 
               help="JSON {num_clients, seed, network: <the config's [network] section>} to emulate.")
 @click.option("--keys", "keys_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               help="The run's CURVE keys: accept only nodes that hold them.")
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="The run's token: a node joins only if its hello carries it.")
+@click.option("--controller", "controllers", multiple=True, metavar="NODE",
+              help="A node that may steer the run (shutdown, rounds, links); repeatable. Default: any node.")
 def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-           max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None) -> None:
+           max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None,
+           token_file: Path | None, controllers: tuple[str, ...]) -> None:
     """Run the message broker that every node connects to."""
     from .lifecycle import die_with_parent, retain_freed_memory
     from .nodes import run_broker, setup_logging
@@ -173,7 +178,7 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
     try:
         run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,
-                   keys_file)
+                   keys_file, token_file, controllers or None)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -185,9 +190,10 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 @click.option("--workers", type=int, required=True)
 @click.option("--index", type=int, default=0)
 @click.option("--keys", "keys_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--token-file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
 @click.option("--log-stream", is_flag=True, help="Log to stderr only (a host agent streams it back).")
 def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
-         log_stream: bool) -> None:
+         token_file: Path | None, log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
     from .lifecycle import die_with_parent, retain_freed_memory
     from .nodes import run_server_node, run_worker_node, setup_logging
@@ -197,8 +203,8 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
     name = "server" if role == "server" else f"worker-{index}"
     setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
     if role == "server":
-        sys.exit(run_server_node(broker_addr, run_dir, workers, keys_file))
-    sys.exit(run_worker_node(broker_addr, run_dir, index, workers, keys_file))
+        sys.exit(run_server_node(broker_addr, run_dir, workers, keys_file, token_file))
+    sys.exit(run_worker_node(broker_addr, run_dir, index, workers, keys_file, token_file))
 
 
 @main.command(hidden=True)

@@ -3,6 +3,7 @@ OS processes; show live progress; stop every one of them at the end or on Ctrl-C
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,13 @@ from . import config as configuration
 from .lifecycle import child_env, describe_exit, stop_reason
 from .rundir import LaunchError, write_run_file
 
+# The nodes that may steer a run at its broker (shut it down, announce rounds, change the
+# links; node/control.py's CONTROLLER_OPS): the server node, the launcher's own node
+# (machines.py sets links with it), and an operator's (a script of yours that changes the
+# network while the run goes: docs/network.md). Never a worker node.
+CONTROLLERS = ("server", "launcher", "operator")
+TOKEN_FILE = "run.token"
+
 
 class LocalRun:
     """The OS processes of one run on this machine."""
@@ -27,6 +35,8 @@ class LocalRun:
         self.echo = echo
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
+        self.token_file: Path | None = None  # the run's token, which every node's hello carries
+        self.socket_dir: Path | None = None  # where a local run's broker listens (mode 0700)
         self._events_offset = 0
         self.broker_died: str | None = None  # how the broker process ended, if before the server
         self.interrupted_by: int | None = None  # the stop signal (or Ctrl-C) this launcher got
@@ -48,9 +58,15 @@ class LocalRun:
         return proc
 
     def start(self) -> None:
+        from fedemu.node.security import private_ipc_endpoint
+
         self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
         self._check_device()
-        endpoint = self._start_broker("tcp://127.0.0.1:0")
+        self._make_token()
+        # A unix socket in a directory only this user may enter: no other user's process
+        # can reach the broker; this user's without the token are refused (security.py).
+        self.socket_dir, bind = private_ipc_endpoint()
+        endpoint = self._start_broker(bind)
         self._start_server(endpoint)
         for i in range(self.workers):
             self._start(f"worker-{i}", "node", "worker", "--index", str(i), *self._node_args(endpoint))
@@ -80,8 +96,15 @@ class LocalRun:
         except LinkConfigError as exc:
             raise LaunchError(str(exc)) from None
 
+    def _make_token(self) -> None:
+        """The run's token, in the run directory (mode 0600): a node joins only with it."""
+        from fedemu.node.security import new_token, save_private
+
+        self.token_file = save_private(self.run_dir / TOKEN_FILE, new_token() + "\n")
+
     def _keys_args(self) -> list[str]:
-        return ["--keys", str(self.keys_file)] if self.keys_file else []
+        return [*(["--keys", str(self.keys_file)] if self.keys_file else []),
+                *(["--token-file", str(self.token_file)] if self.token_file else [])]
 
     def _node_args(self, endpoint: str) -> list[str]:
         return ["--broker", endpoint, "--run-dir", str(self.run_dir), "--workers", str(self.workers),
@@ -96,7 +119,8 @@ class LocalRun:
         broker = self._start("broker", "broker", "--bind", bind, "--endpoint-file", str(endpoint_file),
                              "--heartbeat-interval", str(run["heartbeat_interval_s"]),
                              "--heartbeat-timeout", str(run["heartbeat_timeout_s"]),
-                             "--network", str(network_file), *self._keys_args())
+                             "--network", str(network_file), *self._keys_args(),
+                             *[arg for name in CONTROLLERS for arg in ("--controller", name)])
         deadline = time.monotonic() + 30  # wall
         while not endpoint_file.exists():
             if broker.poll() is not None:
@@ -222,6 +246,8 @@ class LocalRun:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.socket_dir is not None:  # the broker has gone: nothing listens there now
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def format_event(event: dict, rounds: int) -> str:
@@ -240,6 +266,8 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "hint":
         return f"hint: {event['message']}"
     if kind == "fault":
+        if "pid" not in event:  # not lost: its update was refused (the reason says why)
+            return f"fault: client {event['client']} in round {event['round']}: {event['reason']}"
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":
         return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"

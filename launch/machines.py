@@ -226,6 +226,7 @@ class MachinesRun(LocalRun):
         keys = RunKeys.generate()
         self.keys_file = self.run_dir / "run.keys"
         keys.save(self.keys_file)
+        self._make_token()
         endpoint = self._start_broker(f"tcp://{self.machines.bind}:0")
         # Nodes, here and on the hosts, get the keys without the broker's secret.
         self.keys_file = keys.for_nodes().save(self.run_dir / "node.keys")
@@ -259,7 +260,7 @@ class MachinesRun(LocalRun):
                       f"{entry['clients'][0]}..{entry['clients'][1]}")
         self._start_server(f"tcp://127.0.0.1:{port}")
         bundle = {"run_id": secrets.token_hex(4), "config_toml": (self.run_dir / "config.toml").read_text(),
-                  "keys": self.keys_file.read_text(), "workers": self.workers}
+                  "keys": self.keys_file.read_text(), "token": self.token_file.read_text(), "workers": self.workers}
         self.start_agents(assignment, reports, port, bundle)
 
     def placement_source(self) -> dict:
@@ -281,9 +282,10 @@ class MachinesRun(LocalRun):
         exists. Every assign entry is applied again in config order, so a later entry
         still wins over an earlier one, as in a local run."""
         from fedemu.node import Node
-        from fedemu.node.security import RunKeys
+        from fedemu.node.security import RunKeys, load_token
 
-        node = Node("launcher", f"tcp://127.0.0.1:{port}", keys=RunKeys.load(self.keys_file)).start()
+        node = Node("launcher", f"tcp://127.0.0.1:{port}", keys=RunKeys.load(self.keys_file),
+                    token=load_token(self.token_file)).start()
         try:
             for profile, clients in by_machine:
                 node.set_links(sorted(clients), profile=profile)

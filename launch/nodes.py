@@ -43,7 +43,8 @@ def setup_logging(run_dir: Path | None, name: str, verbose: bool = False, stream
 
 
 def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, heartbeat_timeout: float,
-               max_message_bytes: int, network_file: Path | None = None, keys_file: Path | None = None) -> None:
+               max_message_bytes: int, network_file: Path | None = None, keys_file: Path | None = None,
+               token_file: Path | None = None, controllers: tuple[str, ...] | None = None) -> None:
     network, clock = None, "wall"
     if network_file is not None:
         spec = json.loads(network_file.read_text())
@@ -51,6 +52,7 @@ def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float,
         clock = spec.get("clock", "wall")
     broker = Broker(bind, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
                     max_message_bytes=max_message_bytes, network=network, clock=clock,
+                    token=_token(token_file), controllers=controllers,
                     **({"keys": _keys(keys_file)} if keys_file else {}))
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")
@@ -84,11 +86,21 @@ def _keys(keys_file: Path | None):
     return RunKeys.load(keys_file)
 
 
-def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, pool_nice: int = 0) -> Node:
+def _token(token_file: Path | None) -> str | None:
+    if token_file is None:
+        return None
+    from fedemu.node.security import load_token
+
+    return load_token(token_file)
+
+
+def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, pool_nice: int = 0,
+          token_file: Path | None = None) -> Node:
     run = config["run"]
     secured = {"keys": _keys(keys_file)} if keys_file else {}
     return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
-                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, pool_nice=pool_nice, **secured).start()
+                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, pool_nice=pool_nice,
+                token=_token(token_file), **secured).start()
 
 
 def _set_torch_threads(config: dict, workers: int) -> None:
@@ -119,7 +131,8 @@ def _device(config: dict, node: str, server: bool = False):
     return device
 
 
-def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None) -> int:
+def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None,
+                    token_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import algorithm
     from fedemu.server.async_engine import AsyncEngine
@@ -149,7 +162,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)
         runlog.event("machines", **json.loads(machines.read_text()))
-    node = _node("server", broker, config, keys_file)
+    node = _node("server", broker, config, keys_file, token_file=token_file)
     result: dict = {}
 
     def serve(proc) -> None:
@@ -190,7 +203,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     return 0 if result.get("status") == "completed" else 1
 
 
-def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None) -> int:
+def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
+                    token_file: Path | None = None) -> int:
     from fedemu.launch.config import compute_model, data_spec, model_spec, network_parts
     from fedemu.worker.ml import split
     from fedemu.worker.client import host_clients, placement
@@ -201,7 +215,8 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     _set_torch_threads(config, workers)
     device = _device(config, f"worker-{index}")
     run_data, shards = split.run_data(data_spec(config))
-    node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"])
+    node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"],
+                 token_file=token_file)
     for sig in STOP_SIGNALS:
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown, a signal).

@@ -4,12 +4,18 @@ in parentheses), and what it means. The broker and the nodes check what they rec
 before acting on it, so a control message from the wrong sender, of an unknown op or
 without its fields is dropped with a reason naming the op and the field.
 
+Who may send: a node joins with ``hello``, carrying the run's token where the broker has
+one (security.py); until then the broker takes nothing else from it, and a stranger never
+joins. The ops that steer the whole run (``CONTROLLER_OPS``: marked * below) are honoured
+only from the broker's *controllers*, the nodes it was told at start (a run's ``server``,
+``launcher`` and ``operator``), never from a worker node.
+
 Node to broker (``BROKER``):
 
 =============== ============================== ==================================================
 op              fields                         meaning
 =============== ============================== ==================================================
-hello           (t)                            join; the broker answers ``welcome``
+hello           (t, token)                     join; the broker answers ``welcome`` (or ``refused``)
 hb              (t)                            heartbeat; the broker echoes it (clock offset)
 bye                                            leaving: forget this node
 register        entries                        [name, pid, link] triples: names, client links
@@ -17,14 +23,14 @@ unregister      names (pid)                    a process ended: free its names
 whereis         name, ref                      which pid holds a name (``reply``)
 stats           ref (per_link, timeline)       the broker's counters (``reply``); timeline: the transfers
                                                and device switches not yet taken
-round           round (by)                     the server's round clock: per-round drop-outs
-set_links       ref (clients, profile,         change links while running (``reply``: an error
+round*          round (by)                     the server's round clock: per-round drop-outs
+set_links*      ref (clients, profile,         change links while running (``reply``: an error
                 offline)                       or None)
 held_dropped    counts                         held messages dropped on an ``offline`` notice
-shutdown                                       end the run: the broker tells every node
+shutdown*                                      end the run: the broker tells every node
 idle            seen, next                     virtual time: quiescent, with what it has seen
 busy                                           virtual time: busy with work the broker did not send
-clock_start                                    virtual time: every worker node is up
+clock_start*                                   virtual time: every worker node is up
 =============== ============================== ==================================================
 
 Broker to node (``NODE``, from the broker only):
@@ -36,6 +42,7 @@ welcome         (heartbeat_interval,           the answer to hello: liveness set
 hb              (t, now)                       the heartbeat's echo
 reply           ref, value                     the answer to whereis, stats or set_links
 unknown_node                                   this node was declared lost: it must close
+refused         reason                         this hello is not the run's (no or a wrong token)
 node_down       node                           a node was lost: its processes are DOWN
 register_failed name, holder                   a name is held by another process
 shutdown                                       close
@@ -82,7 +89,8 @@ def _ops(receiver: str, from_broker_only: bool = False, **ops: tuple[str, ...]) 
 _ops(BROKER, hello=(), hb=(), bye=(), register=("entries",), unregister=("names",),
      whereis=("name", "ref"), stats=("ref",), round=("round",), set_links=("ref",), held_dropped=("counts",),
      shutdown=(), idle=("seen", "next"), busy=(), clock_start=())
-_ops(NODE, from_broker_only=True, welcome=(), hb=(), reply=("ref", "value"), unknown_node=(), node_down=("node",),
+_ops(NODE, from_broker_only=True, welcome=(), hb=(), reply=("ref", "value"), unknown_node=(), refused=("reason",),
+     node_down=("node",),
      register_failed=("name", "holder"), shutdown=(), offline=("links", "at"),
      availability=("offline", "online"), advance=("now", "count"), stalled=("now",))
 _ops(NODE, monitor=("watcher", "targets"), demonitor=("ref", "target"), down=("down",))
@@ -91,6 +99,8 @@ _ops(NODE, monitor=("watcher", "targets"), demonitor=("ref", "target"), down=("d
 # broker counts them per node, and a node's idle report must have seen them all.
 RELAYED_OPS = frozenset(name for (receiver, name), op in OPS.items() if receiver == NODE and not op.from_broker_only)
 WORK_OPS = RELAYED_OPS | {"advance", "availability", "offline", "node_down", "stalled"}
+# Ops that steer the whole run: only the broker's controllers may send them.
+CONTROLLER_OPS = frozenset({"shutdown", "round", "set_links", "clock_start"})
 # Messages from a node that do not make it busy in virtual time's books.
 QUIET_OPS = frozenset({"hb", "idle", "hello", "bye"})
 
@@ -99,10 +109,15 @@ class ControlError(ValueError):
     """A control message the receiver must drop; the message says why."""
 
 
-def check(body: object, receiver: str, from_broker: bool = True) -> str:
+class NotEntitled(ControlError):
+    """A control op from a sender that may not send it (the broker counts these apart)."""
+
+
+def check(body: object, receiver: str, from_broker: bool = True, controller: bool = True) -> str:
     """The op of a control ``body`` received by ``receiver`` (BROKER or NODE), or
     ControlError naming what is wrong: not a map with an op, an op this receiver does
-    not take, one only the broker may send, or a missing field."""
+    not take, one only the broker may send, one only a controller may send (NotEntitled;
+    ``controller``: whether the sending node is one), or a missing field."""
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise ControlError(f"control message {body!r} is not a map with an 'op'")
     name = body["op"]
@@ -110,7 +125,9 @@ def check(body: object, receiver: str, from_broker: bool = True) -> str:
     if op is None:
         raise ControlError(f"unknown control op {name!r} for a {receiver}")
     if op.from_broker_only and not from_broker:
-        raise ControlError(f"control {name!r} comes from the broker only")
+        raise NotEntitled(f"control {name!r} comes from the broker only")
+    if receiver == BROKER and name in CONTROLLER_OPS and not controller:
+        raise NotEntitled(f"control {name!r} is for the run's controllers only")
     missing = [field for field in op.required if field not in body]
     if missing:
         raise ControlError(f"control {name!r} lacks {', '.join(missing)}")

@@ -1,4 +1,15 @@
-"""Authentication for a run: the broker accepts only nodes that hold the run's keys.
+"""Who may talk to a run's broker: its keys, its token, and its private socket.
+
+On one machine (a local run) the broker listens on a unix socket in a directory only
+this user can enter (:func:`private_ipc_endpoint`): other users' processes cannot
+connect at all, which the kernel enforces. Every node of the run proves it belongs
+with the run's *token* (:func:`new_token`, a file of mode 0600 that the launcher writes
+and hands to the nodes), sent in its ``hello``: a process of this user that lacks it (a
+stray script, another run's node, a fuzzer) is refused and never joins the run, so it
+can neither steer it nor freeze its virtual clock. With hosts (``--machines``,
+``--slurm``) the broker listens on TCP and CURVE keys keep everyone else out, as follows.
+
+Authentication across machines: the broker accepts only nodes that hold the run's keys.
 
 ZeroMQ CURVE: the broker's ROUTER is a CURVE server with its own keypair; every node
 of the run is a CURVE client with the run's one client keypair and knows the server's
@@ -21,9 +32,11 @@ Key file (JSON, one object; keys are Z85 text, 40 characters each)::
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket as pysocket
 import tempfile
 from dataclasses import dataclass, replace
@@ -70,22 +83,9 @@ class RunKeys:
         """Write the keys to ``path``, mode 0600, atomically: a reader sees the old file
         or the whole new one, and the secret is never readable by others, not even
         for a moment (the temporary file is created 0600)."""
-        path = Path(path)
         data = {"fedemu_run_keys": FORMAT_VERSION,
                 **{name: getattr(self, name) for name in _KEY_NAMES if getattr(self, name) is not None}}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)  # mkstemp's mode already; explicit, whatever the umask
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return save_private(path, json.dumps(data, indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> RunKeys:
@@ -133,6 +133,77 @@ class RunKeys:
         sock.curve_serverkey = self.server_public.encode()
         sock.curve_publickey = self.client_public.encode()
         sock.curve_secretkey = self.client_secret.encode()
+
+
+def save_private(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path``, mode 0600, atomically: a reader sees the old file or
+    the whole new one, and the secret is never readable by others, not even for a
+    moment (the temporary file is created 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)  # mkstemp's mode already; explicit, whatever the umask
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# --- the run's token -------------------------------------------------------------------------
+
+TOKEN_BYTES = 24  # 192 random bits, as URL-safe text (32 characters)
+
+
+def new_token() -> str:
+    """A fresh run token: what a node's hello must carry to join the run."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def load_token(path: str | Path) -> str:
+    """The token in ``path`` (written by :func:`save_private`); KeyFileError names the
+    file and what is wrong."""
+    path = Path(path)
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise KeyFileError(f"run token file {path} does not exist") from None
+    except OSError as exc:
+        raise KeyFileError(f"run token file {path} cannot be read: {exc.strerror}") from None
+    if len(token) < 16 or not token.isascii() or not token.isprintable():
+        raise KeyFileError(f"run token file {path} holds no run token")
+    return token
+
+
+def token_matches(expected: str, given: object) -> bool:
+    """Whether a hello's ``given`` token is the run's (in constant time)."""
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode(errors="replace"))
+
+
+# --- a socket only this user can reach ---------------------------------------------------------
+
+# sun_path is 108 bytes on Linux, with its terminating NUL: longer ipc:// paths fail to bind.
+MAX_IPC_PATH = 107
+IPC_SOCKET_NAME = "broker"
+
+
+def private_ipc_endpoint(parent: str | Path | None = None) -> tuple[Path, str]:
+    """(a new directory of mode 0700, an ``ipc://`` endpoint inside it): only this user
+    (and root) can connect to a socket there, since no one else may enter the directory.
+    In ``parent`` (default: the temporary directory), or /tmp where that path would be
+    too long for a unix socket. The caller removes the directory when the run ends."""
+    for base in (parent or tempfile.gettempdir(), "/tmp"):
+        if len(os.path.join(base, "fedemu-xxxxxxxx", IPC_SOCKET_NAME)) <= MAX_IPC_PATH:
+            break
+    else:  # pragma: no cover (a /tmp path is always short)
+        raise OSError("no directory short enough for a unix socket")
+    folder = Path(tempfile.mkdtemp(prefix="fedemu-", dir=base))  # mode 0700, whatever the umask
+    os.chmod(folder, 0o700)
+    return folder, f"ipc://{folder / IPC_SOCKET_NAME}"
 
 
 def _is_key(value: object) -> bool:

@@ -193,7 +193,7 @@ class AsyncEngine(Engine):
         if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
             return None
         if isinstance(body, WorkerReady):
-            self._start_clients(proc, self._rejoin(proc, body, self._evaluation))
+            self._start_clients(proc, self._rejoin(proc, msg, self._evaluation))
         elif isinstance(body, Down):
             self._client_down(proc, body, self._evaluation)
             k = self.client_of.get(body.pid)
@@ -231,10 +231,11 @@ class AsyncEngine(Engine):
             self.doing[body.client] = "fetched (outdated)"
             self._reply_model(proc, msg)
             return None
-        if body.encoded is not None and not self._decode(body, self._evaluation):
+        if ((body.encoded is not None and not self._decode(body, self._evaluation))
+                or not self._usable(body.update, body.client, self._evaluation, self.lr)):
             # The update is lost, not the client: give it the model to go on from.
             self.ages[body.client] = self.age
-            self.doing[body.client] = "sent an undecodable update"
+            self.doing[body.client] = "sent an update that was refused"
             self._reply_model(proc, msg)
             return None
         self.totals.uploads += 1

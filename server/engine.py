@@ -34,7 +34,7 @@ from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker import tasks
 from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
-                                    as_pid_map)
+                                    as_pid_map, update_problem)
 
 from .algorithm import aggregation_problem
 from .runlog import RunLog, RunLogError
@@ -120,6 +120,7 @@ class Engine:
         self._started = time.monotonic()  # wall
         self._clock_started: float | None = None  # emulated time when the run's clock started
         self._traffic: dict | None = None
+        self._divergence_hinted = False
 
     def _decoded_delta(self, encoded: dict, seed_index: int, client: int, event_round: int,
                        unusable: str | None = None) -> np.ndarray | None:
@@ -133,9 +134,44 @@ class Engine:
                 raise ValueError(unusable)
             return self.codec.decode(encoded, update_seed(self.settings.seed, seed_index, client))
         except ValueError as exc:
-            log.error("client %d sent an update that does not decode: %s", client, exc)
-            self.runlog.event("fault", round=event_round, client=client, reason=f"undecodable update: {exc}")
+            self._refuse_update(client, event_round, f"undecodable update: {exc}")
             return None
+
+    def _refuse_update(self, client: int, event_round: int, reason: str, lr: float | None = None) -> None:
+        """An update that must not touch the model: a ``fault`` event of its client,
+        counted in the summary's faults. The first that training diverged (NaN or
+        infinite values) also gets a ``hint`` naming the learning rate."""
+        log.error("client %d's update refused: %s", client, reason)
+        self.totals.faults.append(self.runlog.event("fault", round=event_round, client=client,
+                                                    reason=f"update refused: {reason}"))
+        if "NaN or infinite" in reason and not self._divergence_hinted:
+            self._divergence_hinted = True
+            message = (f"client {client}'s update in round {event_round} held NaN or infinite values: its training "
+                       "diverged, and every such update is refused" + (f"; a smaller algorithm.lr (now {lr:g}) may "
+                                                                        "help" if lr is not None else ""))
+            log.warning("%s", message)
+            self.runlog.event("hint", round=event_round, message=message)
+
+    def _usable(self, update: object, client: int, event_round: int, lr: float | None = None) -> bool:
+        """Whether a received update fits the model (protocol.update_problem); if not, it is
+        refused, naming why (_refuse_update)."""
+        problem = update_problem(update, self.weights.size)
+        if problem is not None:
+            self._refuse_update(client, event_round, problem, lr)
+        return problem is None
+
+    def _ready_from(self, msg) -> WorkerReady | None:
+        """A WorkerReady, if its sender speaks for the node it names and every client pid
+        it lists lives there (a worker node's own report); else None, logged."""
+        ready = msg.body
+        entries = ready.clients if isinstance(ready.clients, list) else None
+        if (msg.sender.node == ready.node and entries is not None
+                and all(isinstance(e, (list, tuple)) and len(e) == 2 and type(e[0]) is int and isinstance(e[1], Pid)
+                        and e[1].node == ready.node for e in entries)
+                and (ready.sums is None or (isinstance(ready.sums, Pid) and ready.sums.node == ready.node))):
+            return ready
+        log.warning("ignoring a WorkerReady for node %r from %s: not that node's own report", ready.node, msg.sender)
+        return None
 
     # --- the server process ---------------------------------------------------------
 
@@ -210,7 +246,9 @@ class Engine:
                 raise _Stopped("failed", (
                     f"only {len(ready_nodes)} of {self.settings.workers} worker nodes reported "
                     f"within {self.settings.startup_timeout_s:.0f}s: {sorted(ready_nodes) or 'none'}"))
-            ready: WorkerReady = msg.body
+            ready = self._ready_from(msg)
+            if ready is None:
+                continue
             hosted = as_pid_map(ready.clients)
             for k, pid in hosted.items():
                 self.pids[k] = pid
@@ -267,9 +305,12 @@ class Engine:
         log.warning("client %d lost in round %d: %s", k, round_, down.reason)
         return k
 
-    def _rejoin(self, proc: ThreadProcess, ready: WorkerReady, round_: int) -> list[int]:
-        """A worker node's supervisor restarted crashed clients: watch their new pids and
-        let them be selected again."""
+    def _rejoin(self, proc: ThreadProcess, msg, round_: int) -> list[int]:
+        """A worker node's supervisor restarted crashed clients (``msg``: its WorkerReady):
+        watch their new pids and let them be selected again."""
+        ready = self._ready_from(msg)
+        if ready is None:
+            return []
         restarted = []
         for k, pid in as_pid_map(ready.clients).items():
             if not 0 <= k < self.settings.clients:
@@ -286,7 +327,7 @@ class Engine:
     def _rejoin_waiting(self, proc: ThreadProcess, round_: int) -> None:
         """Take in every restart reported since the last look, without waiting."""
         while (msg := self._receive(proc, (WorkerReady,), 0)) is not TIMEOUT:
-            self._rejoin(proc, msg.body, round_)
+            self._rejoin(proc, msg, round_)
 
     def _evaluate(self) -> tuple[float, float]:
         models.set_flat(self.model, self.weights)
@@ -459,20 +500,31 @@ class RoundEngine(Engine):
                         continue
                     break
                 self.runlog.event("stall", round=round_, task=task, waiting_s=s.progress_timeout_s,
-                                  waiting_for=sorted(waiting), cause="no reply from these clients; no deadline set")
+                                  waiting_for=sorted(waiting), emulated_s=proc.now(), cause=(
+                                      "no reply from these clients; no deadline set" if deadline == float("inf") else
+                                      f"no reply from these clients, and the clock has not reached the deadline "
+                                      f"at emulated {deadline:g}s"))
                 watchdog = time.monotonic() + s.progress_timeout_s  # wall
                 continue
             body = msg.body
             if isinstance(body, WorkerReady):
-                self._rejoin(proc, body, round_)  # selectable from the next round on
+                self._rejoin(proc, msg, round_)  # selectable from the next round on
             elif isinstance(body, Down):
                 k = self._client_down(proc, body, round_)
                 if k in waiting:
                     waiting.discard(k)
                     book.dropped.add(k)
             elif body.round == round_ and body.task == task and body.client in waiting:
+                if msg.sender != self.pids[body.client]:  # only the process the request went to answers it
+                    log.warning("round %d: a reply for client %d from %s, not from its process %s: ignored",
+                                round_, body.client, msg.sender, self.pids[body.client])
+                    continue
                 waiting.discard(body.client)
                 if body.encoded is not None and not self._decode(body, round_):
+                    book.dropped.add(body.client)
+                    continue
+                if (body.update is not None or not self.at_nodes) and not self._usable(body.update, body.client,
+                                                                                        round_, lr):
                     book.dropped.add(body.client)
                     continue
                 replies.fold(body, keep_update=self.strategy.keeps_updates)
@@ -524,7 +576,7 @@ class RoundEngine(Engine):
                 continue
             body = msg.body
             if isinstance(body, WorkerReady):
-                self._rejoin(proc, body, round_)
+                self._rejoin(proc, msg, round_)
             elif isinstance(body, Down):
                 if body.pid in asked:
                     clients = asked.pop(body.pid)

@@ -33,3 +33,21 @@ def test_every_op_the_runtime_and_broker_send_is_in_the_table():
     tabled = {name for _, name in control.OPS}
     assert len(sent) >= 25 and sent <= tabled, sorted(sent - tabled)
     assert tabled - sent == set()  # and the table lists nothing nobody sends
+
+
+def test_the_ops_that_steer_the_run_are_for_its_controllers_only():
+    """A worker node (not a controller) may not stop the run, announce rounds, change the
+    links or start the clock; it may do everything else a node does."""
+    assert control.CONTROLLER_OPS == {"shutdown", "round", "set_links", "clock_start"}
+    for (receiver, name), op in control.OPS.items():
+        if receiver != control.BROKER:
+            continue
+        body = {"op": name, **{field: 1 for field in op.required}}
+        assert control.check(body, control.BROKER, controller=True) == name
+        if name in control.CONTROLLER_OPS:
+            with pytest.raises(control.NotEntitled, match=f"control '{name}' is for the run's controllers only"):
+                control.check(body, control.BROKER, controller=False)
+        else:
+            assert control.check(body, control.BROKER, controller=False) == name
+    with pytest.raises(control.NotEntitled, match="comes from the broker only"):  # the other kind of role
+        control.check({"op": "refused", "reason": "x"}, control.NODE, from_broker=False)

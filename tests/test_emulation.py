@@ -11,6 +11,7 @@ import pytest
 
 from fedemu.node import TIMEOUT, Behaviour, Down, Node, Pid, Process
 from fedemu.node.runtime.holding import BrokerClock, clock_identity
+from fedemu.node.security import load_token
 from fedemu.server.runlog import read_events
 
 from .realprocs import Procs
@@ -519,7 +520,8 @@ def test_client_dropped_mid_transfer_is_a_missing_update_and_the_round_completes
                   "network.default_profile=slow", "network.profiles.slow.up.bandwidth=200000")
     wait_for_round(run_dir, 1, proc)
     first = next(e for e in read_events(run_dir) if e["event"] == "round")
-    operator = Node("operator", (run_dir / "broker.endpoint").read_text().strip()).start()
+    operator = Node("operator", (run_dir / "broker.endpoint").read_text().strip(),
+                    token=load_token(run_dir / "run.token")).start()  # one of the run's controllers
     try:
         # Round 2 has begun once round 1 is logged. A client's only uploads are its
         # replies, one per round it was selected in: an uplink below 50 carrying more

@@ -337,18 +337,140 @@ def test_a_second_sweep_into_the_same_directory_fails_naming_the_first(tmp_path)
     assert f"is in use by another `fedemu sweep` (pid {first.pid})" in second.stderr
 
 
-# --- garbage at the broker during a run -----------------------------------------------------
+# --- strangers and garbage at the broker during a run ------------------------------------------
+
+# A virtual-time run: whatever a stranger or a buggy node does to it, it must end with the
+# weights, and at the emulated time, of the same run left alone.
+VIRTUAL_RUN = ["run.clock=virtual", "algorithm.name=fedavg", "run.rounds=8", "algorithm.deadline_s=60"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> dict:
+    """The summary of VIRTUAL_RUN left alone."""
+    proc, run_dir = tiny_launch(tmp_path_factory.mktemp("undisturbed"), *VIRTUAL_RUN)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, output
+    return summary_of(run_dir)
+
+
+def assert_as_if_undisturbed(proc: subprocess.Popen, output: str, run_dir: Path, undisturbed: dict) -> None:
+    assert proc.returncode == 0, output
+    summary = summary_of(run_dir)
+    assert summary["status"] == "completed" and summary["rounds"] == undisturbed["rounds"]
+    assert (summary["weights_sha256"], summary["emulated_s"]) == (undisturbed["weights_sha256"],
+                                                                 undisturbed["emulated_s"])
+    assert summary["faults"] == 0
+    assert_log_whole(run_dir)
+    assert_left_clean(run_dir)
+
+
+def endpoint_of(run_dir: Path, proc: subprocess.Popen) -> str:
+    wait_for(lambda: (run_dir / "broker.endpoint").exists(), "the broker never started", proc=proc)
+    return (run_dir / "broker.endpoint").read_text().strip()
+
+
+def raw_dealer(ctx: zmq.Context, endpoint: str, name: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, name)
+    sock.connect(endpoint)
+    return sock
+
+
+def forged_reply(client: int, round_: int, update: np.ndarray):
+    from fedemu.worker.protocol import TRAIN, TrainReply
+
+    return TrainReply(round=round_, client=client, task=TRAIN, update=update, num_samples=100, train_loss=0.0,
+                      compute_s=0.0)
+
+
+def malformed_to_server(src) -> list[list]:
+    """What the issue froze runs with: a body that leaves an array frame unreferenced, and
+    one that is not msgpack."""
+    from fedemu.node import wire
+
+    header = wire.pack_header(wire.USER, src, "server")
+    return [[header, wire.pack_body("x")[0], b"\0" * 16], [header, b"\xc1"]]
 
 
 @pytest.mark.slow
-def test_a_run_completes_while_a_stranger_sends_garbage_to_its_broker(tmp_path):
-    proc, run_dir = tiny_launch(tmp_path, "algorithm.name=fedavg", "run.rounds=15")
-    wait_for(lambda: evaluations(run_dir) >= 1, "no round", proc=proc)
+def test_strangers_and_a_buggy_node_cannot_stop_poison_or_freeze_a_virtual_time_run(tmp_path, undisturbed):
+    """While a virtual-time run goes on: another user cannot even connect (where the test
+    runs as root); a process of this user without the run's token says hello, asks for
+    shutdown, forges replies (NaN, wrongly shaped) and sends malformed messages, and is
+    refused; a node holding the token (a buggy one) asks for shutdown, forges replies
+    and a WorkerReady, and sends what the issue froze runs with. The run ends as if
+    left alone: the same weights, at the same emulated time."""
+    from fedemu.node import Node, Pid, wire
+    from fedemu.node.security import load_token
+
+    from .test_security import connect_as_nobody
+
+    proc, run_dir = tiny_launch(tmp_path, *VIRTUAL_RUN)
+    endpoint = endpoint_of(run_dir, proc)
+    if os.geteuid() == 0:
+        assert connect_as_nobody(endpoint) == "PermissionError"
+    ctx = zmq.Context()
+    stranger = raw_dealer(ctx, endpoint, b"evil")
+    evil = Pid("evil", 0)
+    nan = np.full(199_210, np.nan, np.float32)
+    buggy = None
+    bursts = 0
+    try:
+        stranger.send_multipart(wire.encode(wire.CTL, evil, Pid("$broker", 0), {"op": "hello"}))
+        assert stranger.poll(30_000) and wire.decode(stranger.recv_multipart())[1]["op"] == "refused"
+        buggy = Node("buggy", endpoint, heartbeat_interval=0.2, heartbeat_timeout=30,
+                     token=load_token(run_dir / "run.token")).start()
+        buggy.shutdown_all()  # not a controller: refused
+        server = None
+        while proc.poll() is None:
+            round_ = evaluations(run_dir) + 1
+            for frames in [wire.encode(wire.CTL, evil, Pid("$broker", 0), {"op": "shutdown"}),
+                           wire.encode(wire.USER, evil, "server", forged_reply(bursts % 4, round_, nan)),
+                           wire.encode(wire.USER, evil, "server", forged_reply(bursts % 4, round_, nan[:7])),
+                           *malformed_to_server(evil)]:
+                try:
+                    stranger.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:  # the broker has gone (the run ended): nothing waits
+                    break
+            while stranger.poll(0):
+                stranger.recv_multipart()  # its refusals, read and ignored
+            server = server or buggy.whereis("server", timeout=30)
+            if server is not None:
+                from fedemu.worker.protocol import WorkerReady
+
+                for k in range(4):  # from a process the requests did not go to
+                    buggy.send(server, forged_reply(k, round_, np.zeros(199_210, np.float32)))
+                buggy.send(server, WorkerReady("worker-0", [[0, Pid("buggy", 1)]]))
+                for frames in malformed_to_server(Pid("buggy", 0)):
+                    buggy._outbox.append(frames)  # as they are, past the node's own encoding
+                buggy._wake()
+                bursts += 1
+            time.sleep(0.05)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        stranger.close()
+        ctx.term()
+        if buggy is not None:
+            buggy.close()
+    assert_as_if_undisturbed(proc, output, run_dir, undisturbed)
+    assert bursts >= 1
+    broker_log = (run_dir / "logs" / "broker.log").read_text()
+    assert "refused hello from <evil.0>" in broker_log and "node evil joined" not in broker_log
+    assert "control 'shutdown' is for the run's controllers only" in broker_log
+    assert "shutdown requested by <server.0>" in broker_log and "shutdown requested by <buggy" not in broker_log
+    server_log = (run_dir / "logs" / "server.log").read_text()
+    assert "node server dropped a message (malformed)" in server_log
+    assert "ignoring a WorkerReady for node 'worker-0' from <buggy.0>" in server_log
+
+
+@pytest.mark.slow
+def test_a_virtual_time_run_ends_as_if_undisturbed_while_a_stranger_sends_garbage_to_its_broker(tmp_path, undisturbed):
+    proc, run_dir = tiny_launch(tmp_path, *VIRTUAL_RUN)
+    endpoint = endpoint_of(run_dir, proc)
     rng = random.Random(20261124)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect((run_dir / "broker.endpoint").read_text().strip())
+    sock = raw_dealer(ctx, endpoint, b"fuzzer")
     import msgpack
 
     sent = 0
@@ -360,7 +482,8 @@ def test_a_run_completes_while_a_stranger_sends_garbage_to_its_broker(tmp_path):
             elif kind < 0.7:  # a header that looks almost right
                 fields = [rng.choice([1, 2, "x", None]), rng.choice([0, 1, 9]), rng.choice(["server", "worker-0", 7]),
                           rng.randint(-2, 5), rng.choice(["", "worker-1", None]), rng.choice([0, 1, "server", []])]
-                frames = [msgpack.packb(fields[: rng.randint(0, 7)]), msgpack.packb({"op": rng.choice(["hb", "stats", "x"])})]
+                frames = [msgpack.packb(fields[: rng.randint(0, 7)]),
+                          msgpack.packb({"op": rng.choice(["hb", "stats", "x", "hello", "shutdown", "idle"])})]
             else:  # a huge frame count or size claim
                 frames = [msgpack.packb([1, 0, "intruder", 1, "", "server"]), b"\x00" * rng.randint(0, 4096)] * rng.randint(1, 8)
             try:
@@ -375,12 +498,36 @@ def test_a_run_completes_while_a_stranger_sends_garbage_to_its_broker(tmp_path):
     finally:
         sock.close()
         ctx.term()
-    assert proc.returncode == 0, output
-    assert summary_of(run_dir)["status"] == "completed"
-    assert_log_whole(run_dir)
-    assert_left_clean(run_dir)
+    assert_as_if_undisturbed(proc, output, run_dir, undisturbed)
     assert sent >= 100
     assert "dropped message" in (run_dir / "logs" / "broker.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation", ["server", "nodes"])
+def test_a_diverging_clients_nan_update_is_refused_and_named(tmp_path, aggregation):
+    """At a learning rate of 1,000 training diverges: a client's update holds NaN or
+    infinite values. It never touches the model (summed on the server or on the worker
+    node): the client's fault event names the cause, a hint names the rate, the summary
+    counts the faults, and the console says so."""
+    proc, run_dir = tiny_launch(tmp_path, "run.clock=virtual", "algorithm.name=fedavg", "run.rounds=2",
+                                "algorithm.lr=1000", f"run.aggregation={aggregation}")
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, output
+    events = assert_log_whole(run_dir)
+    faults = [e for e in events if e["event"] == "fault"]
+    assert faults and all("update refused:" in e["reason"] and "values are NaN or infinite (training diverged)"
+                          in e["reason"] for e in faults)
+    [hint] = [e for e in events if e["event"] == "hint"]
+    assert "a smaller algorithm.lr (now 1000) may help" in hint["message"]
+    summary = summary_of(run_dir)
+    assert summary["faults"] == len(faults) and np.isfinite(summary["final_accuracy"])
+    rounds = [e for e in events if e["event"] == "round"]
+    refused = {(e["round"], e["client"]) for e in faults}
+    for r in rounds:  # a refused client is dropped, never among those whose update counted
+        assert not {k for k in r["answered"] if (r["round"], k) in refused}
+        assert {k for (round_, k) in refused if round_ == r["round"]} <= set(r["dropped"])
+    assert f"fault: client {faults[0]['client']} in round {faults[0]['round']}: update refused:" in output
 
 
 # --- across machines ------------------------------------------------------------------------

@@ -220,9 +220,11 @@ def crash_client(run_dir: Path, k: int) -> None:
     import numpy as np
 
     from fedemu.node import Node
+    from fedemu.node.security import load_token
     from fedemu.worker.protocol import TRAIN, TrainRequest
 
-    node = Node("crasher", (run_dir / "broker.endpoint").read_text().strip()).start()
+    node = Node("crasher", (run_dir / "broker.endpoint").read_text().strip(),
+                token=load_token(run_dir / "run.token")).start()  # a node of the run: it holds the token
     try:
         pid = node.whereis(f"client/{k}")
         assert pid is not None

@@ -129,6 +129,25 @@ def test_requests_from_an_earlier_process_of_a_restarted_client_are_ignored(tmp_
     assert eng.totals.uploads == 0 and sent_to(proc, Pid("worker", 99), ModelReply) == []
 
 
+def test_an_upload_that_does_not_fit_the_model_is_refused_named_and_its_client_goes_on(tmp_path):
+    eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4))
+    before = eng.weights
+    diverged = weights_upload(eng, 0, 1, np.nan)
+    short = Message(CLIENT_1, Upload(client=1, update=np.zeros(7, np.float32), is_delta=False, age=0, num_samples=10,
+                                     train_loss=0.0, compute_s=0.0, request=1))
+    proc = ScriptedProc(diverged, short, stop())
+    serve(eng, proc)
+    assert eng.totals.uploads == 0 and eng.weights is before  # nothing merged
+    events = read_events(tmp_path)
+    assert [(e["client"], e["reason"]) for e in events if e["event"] == "fault"] == [
+        (0, f"update refused: {before.size} of its {before.size} values are NaN or infinite (training diverged)"),
+        (1, f"update refused: an update of shape (7,), not the model's ({before.size},)")]
+    assert ["algorithm.lr (now 0.1)" in e["message"] for e in events if e["event"] == "hint"] == [True]
+    # The update is lost, not the client: each gets the model to go on from.
+    assert len(sent_to(proc, CLIENT_0, ModelReply)) == 1 and len(sent_to(proc, CLIENT_1, ModelReply)) == 1
+    assert eng.doing[0] == "sent an update that was refused"
+
+
 def test_asyncstart_is_resent_to_a_client_not_heard_from_and_no_longer_once_it_is(tmp_path):
     eng = engine(tmp_path, FedAsync(alpha=0.5, staleness="constant", a=0.5, b=4), retry_s=0.05)
     proc = ScriptedProc(WAIT, WAIT, weights_upload(eng, 0, 1, 1.0), WAIT, WAIT, stop())

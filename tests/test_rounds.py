@@ -26,6 +26,7 @@ from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
 MNIST = dataset_named("mnist")
 
 WAIT = "wait"  # script step: nothing arrives until the current deadline has passed
+SIZE = 199_210  # the 2NN's weights: the engine refuses an update of any other shape
 
 
 class ScriptedProc:
@@ -56,7 +57,7 @@ class ScriptedProc:
 
 
 def reply(k: int, round_: int = 1) -> Message:
-    body = TrainReply(round=round_, client=k, task=TRAIN, update=np.zeros(3, np.float32), num_samples=100,
+    body = TrainReply(round=round_, client=k, task=TRAIN, update=np.zeros(SIZE, np.float32), num_samples=100,
                       train_loss=0.0, compute_s=0.0)
     return Message(Pid("worker", k), body)
 
@@ -93,15 +94,15 @@ def test_a_phase_folds_each_update_as_it_arrives_and_keeps_none_unless_the_rule_
     on arrival and lets the buffer go. A rule that reads the updates (a plug-in's
     median, say: keeps_updates) still gets them, and the same mean."""
     def replies():
-        return [Message(Pid("worker", k), TrainReply(round=1, client=k, task=TRAIN, update=np.full(3, k, np.float32),
+        return [Message(Pid("worker", k), TrainReply(round=1, client=k, task=TRAIN, update=np.full(SIZE, k, np.float32),
                                                      num_samples=n, train_loss=0.0, compute_s=0.0))
                 for k, n in ((3, 100), (1, 300), (4, 600))]
 
-    expected = weighted_average([np.full(3, k, np.float32) for k in (3, 1, 4)], [100, 300, 600])
+    expected = weighted_average([np.full(SIZE, k, np.float32) for k in (3, 1, 4)], [100, 300, 600])
     eng = engine(tmp_path)
     folded, _ = run_phase(eng, ScriptedProc(*replies()), [1, 3, 4])
     assert [r.update for r in folded] == [None, None, None]
-    assert folded.mean().tolist() == expected.tolist() == [3.0, 3.0, 3.0]  # (300 + 300 + 2400) / 1000
+    assert folded.mean().tolist() == expected.tolist() == [3.0] * SIZE  # (300 + 300 + 2400) / 1000
 
     (tmp_path / "kept").mkdir()
     eng = engine(tmp_path / "kept")
@@ -221,6 +222,76 @@ def test_the_brokers_word_that_nothing_can_happen_is_a_deadlock_naming_who_is_wa
     [event] = [e for e in read_events(tmp_path) if e["event"] == "deadlock"]
     assert event["emulated_s"] == 42.0
     assert "replies of round 1 from clients 0, 4" in event["cause"] and "nothing pending" in event["cause"]
+
+
+def test_a_reply_counts_only_from_the_process_the_request_went_to(tmp_path):
+    """A reply naming an awaited client, round and task, but sent by another process (a
+    forger, a restarted client's old process), is ignored: the client is still waited
+    for, and only its own reply is folded in."""
+    eng = engine(tmp_path, C=0.6)
+    forged = reply(1)
+    forged.body.update = np.full(SIZE, 9.0, np.float32)
+    proc = ScriptedProc(Message(Pid("intruder", 7), forged.body), reply(0), reply(1))
+    replies, book = run_phase(eng, proc, [0, 1])
+    assert [r.client for r in replies] == [0, 1] and book.stragglers == set() and book.dropped == set()
+    assert replies.mean().tolist() == [0.0] * SIZE  # the forged update never touched the model
+
+
+def test_an_update_that_does_not_fit_the_model_is_refused_and_named(tmp_path):
+    """An update with NaN or infinite values (training diverged), of another shape or
+    dtype, or missing, never touches the model: its client's fault event names the
+    cause, the summary counts it, and the first divergence is a hint naming the rate."""
+    from fedemu.server.runlog import read_events
+
+    eng = engine(tmp_path, C=1.0)
+    diverged = reply(0)
+    diverged.body.update = np.zeros(SIZE, np.float32)
+    diverged.body.update[[3, 5]] = [np.nan, np.inf]
+    short, wide, missing = reply(1), reply(2), reply(3)
+    short.body.update = np.zeros(7, np.float32)
+    wide.body.update = np.zeros(SIZE, np.float64)
+    missing.body.update = None
+    replies, book = run_phase(eng, ScriptedProc(diverged, short, wide, missing, reply(4)), [0, 1, 2, 3, 4])
+    assert [r.client for r in replies] == [4] and book.dropped == {0, 1, 2, 3}
+    events = read_events(tmp_path)
+    assert [(e["client"], e["reason"]) for e in events if e["event"] == "fault"] == [
+        (0, f"update refused: 2 of its {SIZE} values are NaN or infinite (training diverged)"),
+        (1, f"update refused: an update of shape (7,), not the model's ({SIZE},)"),
+        (2, "update refused: an update of dtype float64, not float32"),
+        (3, "update refused: an update of type NoneType, not an array"),
+    ]
+    assert len(eng.totals.faults) == 4
+    [hint] = [e["message"] for e in events if e["event"] == "hint"]
+    assert "client 0's update in round 1 held NaN or infinite values" in hint and "algorithm.lr (now 0.1)" in hint
+
+
+@pytest.mark.parametrize("deadline_s, cause", [
+    (3600.0, "no reply from these clients, and the clock has not reached the deadline at emulated "),
+    (0.0, "no reply from these clients; no deadline set"),
+])
+def test_a_stall_says_whether_a_deadline_is_set(tmp_path, deadline_s, cause):
+    """The watchdog's stall event (a clock that has not moved for progress_timeout_s of
+    wall time) names the deadline the round waits for, or says there is none."""
+    from fedemu.server.runlog import read_events
+
+    eng = engine(tmp_path, deadline_s=deadline_s, progress_timeout_s=0.05)
+    run_phase(eng, ScriptedProc(WAIT, reply(0)), [0])
+    [stall] = [e for e in read_events(tmp_path) if e["event"] == "stall"]
+    assert stall["cause"].startswith(cause) and stall["waiting_for"] == [0]
+
+
+def test_a_worker_ready_counts_only_from_the_node_it_names(tmp_path):
+    from fedemu.worker.protocol import WorkerReady
+
+    eng = engine(tmp_path)
+    own = Message(Pid("w1", 0), WorkerReady("w1", [[0, Pid("w1", 5)]], Pid("w1", 2)))
+    assert eng._ready_from(own) is own.body
+    for sender, ready in [(Pid("w2", 0), WorkerReady("w1", [[1, Pid("w1", 6)]])),  # another node speaking for w1
+                          (Pid("w1", 0), WorkerReady("w1", [[1, Pid("intruder", 6)]])),  # a pid elsewhere
+                          (Pid("w1", 0), WorkerReady("w1", [[1, Pid("w1", 6)]], Pid("intruder", 1))),
+                          (Pid("w1", 0), WorkerReady("w1", [["1", Pid("w1", 6)]])),
+                          (Pid("w1", 0), WorkerReady("w1", "every client"))]:
+        assert eng._ready_from(Message(sender, ready)) is None
 
 
 def test_engine_refuses_what_config_validation_would(tmp_path):

@@ -6,16 +6,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import stat
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from fedemu.node import Broker, Node, NodeError, Pid, wire
-from fedemu.node.security import KeyFileError, RunKeys
+from fedemu.node import TIMEOUT, Broker, Node, NodeError, Pid, wire
+from fedemu.node.security import (KeyFileError, RunKeys, load_token, new_token, private_ipc_endpoint, save_private,
+                                  token_matches)
 
 from .test_runtime import echo_round_trips
 
@@ -237,3 +242,150 @@ def test_broker_survives_an_authenticated_node_sending_garbage(procs, tmp_path, 
     assert "node peer dropped a message (spoofed): control 'shutdown'" in peer_log
     assert "I/O thread of peer failed" not in peer_log and "Traceback" not in peer_log
     assert "closing" not in peer_log
+
+
+# --- on one machine: the run's token, its controllers, its private socket ---------------------------
+
+
+def raw_member(broker: str, name: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, name.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker)
+    return sock
+
+
+def answer(sock: zmq.Socket, timeout_s: float = 10.0) -> dict:
+    assert sock.poll(timeout_s * 1000), "no answer from the broker"
+    return wire.decode(sock.recv_multipart())[1]
+
+
+def test_the_token_file_is_private_and_checked(tmp_path):
+    token = new_token()
+    path = save_private(tmp_path / "run.token", token + "\n")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and load_token(path) == token
+    assert new_token() != token and len(token) >= 32
+    assert token_matches(token, token) and not token_matches(token, token[:-1] + "x")
+    assert not token_matches(token, None) and not token_matches(token, 17)
+    with pytest.raises(KeyFileError, match=f"run token file {tmp_path / 'none'} does not exist"):
+        load_token(tmp_path / "none")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(KeyFileError, match="holds no run token"):
+        load_token(tmp_path / "empty")
+
+
+def test_a_hello_without_the_run_token_is_refused_and_never_holds_the_virtual_clock(procs, tmp_path):
+    """A process without the token (a stray script, another run's node) is told it is
+    refused, counted and logged, and is in none of virtual time's books: the run's clock
+    moves on at once, where a stranger that joined would hold it until its heartbeat
+    timeout (30 s here)."""
+    from .test_virtual_time import virtual_broker
+
+    token = new_token()
+    token_file = save_private(tmp_path / "run.token", token)
+    broker = virtual_broker(procs, {}, 4, 1, "--token-file", str(token_file), heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    stranger = raw_member(broker, "stranger")
+    try:
+        stranger.send_multipart(wire.encode(wire.CTL, Pid("stranger", 0), Pid("$broker", 0), {"op": "hello"}))
+        assert answer(stranger) == {"op": "refused", "reason": "no token: not a node of this run"}
+        stranger.send_multipart(wire.encode(wire.CTL, Pid("stranger", 0), Pid("$broker", 0),
+                                            {"op": "hello", "token": token[:-1] + "x"}))
+        assert answer(stranger)["reason"] == "a wrong token: not a node of this run"
+        stranger.send_multipart(wire.encode(wire.CTL, Pid("stranger", 0), Pid("$broker", 0), {"op": "shutdown"}))
+        assert answer(stranger) == {"op": "unknown_node"}  # not in the run: nothing it says counts
+        for name, their_token in (("tokenless", None), ("impostor", new_token())):
+            with pytest.raises(NodeError, match=f"refused node {name}: its hello was refused"):
+                Node(name, broker, heartbeat_timeout=HEARTBEAT_TIMEOUT, token=their_token).start(connect_timeout=10)
+        member = Node("member", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                      token=token).start()
+        waited: list = []
+        started = time.monotonic()
+
+        def timer(proc):
+            proc.node.start_clock()
+            waited.append((proc.receive(str, timeout=60.0), proc.now(), time.monotonic() - started))
+
+        try:
+            member.spawn(timer)
+            deadline = time.monotonic() + HEARTBEAT_TIMEOUT - 5
+            while not waited:
+                assert time.monotonic() < deadline, "the clock waited for a process that is not in the run"
+                time.sleep(0.05)
+            stats = member.broker_stats()
+        finally:
+            member.close()
+    finally:
+        stranger.close()
+    assert waited[0][:2] == (TIMEOUT, 60.0)
+    assert stats["refused"] == 4 and stats["dropped"].get("unknown-node") == 1
+    log_text = (procs.tmp / "logs" / "broker.log").read_text()  # the broker's whole log (INFO and up)
+    assert "refused hello from <stranger.0> (#1 refused): no token, not this run's" in log_text
+    assert "node member joined" in log_text
+    assert not any(f"node {name} joined" in log_text for name in ("stranger", "tokenless", "impostor"))
+
+
+def test_only_the_run_controllers_may_stop_it_or_steer_its_network(procs):
+    """Shutdown, round announcements, link changes and the clock's start are taken only
+    from the nodes the broker was told to take them from (a run's server and launcher):
+    from a worker node they are dropped, counted and logged, and the run goes on."""
+    broker = procs.broker("--controller", "server", heartbeat_timeout=HEARTBEAT_TIMEOUT)
+    worker = node("worker-0", broker, None).start()
+    try:
+        worker.shutdown_all()
+        worker.announce_round(3)
+        worker._send_ctl(Pid("$broker", 0), {"op": "set_links", "ref": 1, "clients": [0], "offline": True})
+        worker._send_ctl(Pid("$broker", 0), {"op": "clock_start"})
+        stats = worker.broker_stats()  # answered after everything above: one socket, in order
+        assert stats["dropped"] == {"not-entitled": 4}
+        assert procs.broker_proc.poll() is None and not worker.closed.is_set()
+        server = node("server", broker, None).start()
+        server.shutdown_all()
+        assert procs.broker_proc.wait(10) == 0  # the server's shutdown is honoured
+        assert worker.wait(10) and server.wait(10)
+    finally:
+        worker.close()
+    log_text = (procs.tmp / "logs" / "broker.log").read_text()
+    assert "control 'shutdown' is for the run's controllers only" in log_text
+    assert "shutdown requested by <server.0>" in log_text and "shutdown requested by <worker-0" not in log_text
+
+
+def test_a_local_runs_socket_lies_in_a_directory_only_its_user_can_enter(tmp_path):
+    inside, endpoint = private_ipc_endpoint(tmp_path)
+    assert inside.parent == tmp_path and endpoint == f"ipc://{inside}/broker"
+    assert stat.S_IMODE(os.stat(inside).st_mode) == 0o700
+    # A parent too deep for a unix socket's 107-byte path: the socket goes to /tmp instead.
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    far, far_endpoint = private_ipc_endpoint(deep)
+    far.rmdir()
+    assert far.parent == Path("/tmp") and len(far_endpoint) - len("ipc://") <= 107
+    folder, endpoint = private_ipc_endpoint()  # where a run's goes: under /tmp, which anyone may enter
+    umask = os.umask(0)  # the worst case: a socket file anyone may write to
+    try:
+        broker = Broker(endpoint)
+    finally:
+        os.umask(umask)
+    try:
+        assert broker.endpoint == endpoint
+        if os.geteuid() == 0:  # another user cannot even connect: the directory keeps them out
+            assert connect_as_nobody(endpoint) == "PermissionError"
+            os.chmod(folder, 0o755)  # the control: a directory others may enter lets them in
+            assert connect_as_nobody(endpoint) == "connected"
+    finally:
+        broker._sock.close(linger=0)
+        broker._ctx.term()
+        shutil.rmtree(folder)
+
+
+def connect_as_nobody(endpoint: str) -> str:
+    """What a unix-socket connect to ``endpoint`` gives a process running as ``nobody``:
+    the exception's name, or "connected" (needs root, to change user)."""
+    script = ("import os, pwd, socket, sys\n"
+              "os.setgid(pwd.getpwnam('nobody').pw_gid); os.setuid(pwd.getpwnam('nobody').pw_uid)\n"
+              "s = socket.socket(socket.AF_UNIX)\n"
+              "try:\n    s.connect(sys.argv[1]); print('connected')\n"
+              "except OSError as exc:\n    print(type(exc).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", script, endpoint[len("ipc://"):]], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -22,11 +23,12 @@ from fedemu.node.wire import USER
 from .realprocs import Procs
 
 
-def virtual_broker(procs: Procs, network: dict, num_clients: int = 4, seed: int = 1) -> str:
+def virtual_broker(procs: Procs, network: dict, num_clients: int = 4, seed: int = 1, *extra: str,
+                   heartbeat_timeout: float = 5.0) -> str:
     path = procs.tmp / "net.json"
     path.write_text(json.dumps({"num_clients": num_clients, "seed": seed, "time_scale": 1.0, "clock": "virtual",
                                 "network": network}))
-    return procs.broker("--network", str(path), heartbeat_timeout=5.0)
+    return procs.broker("--network", str(path), *extra, heartbeat_timeout=heartbeat_timeout)
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:
@@ -231,6 +233,73 @@ def test_a_node_lost_for_real_leaves_the_quiescence_set(procs):
     msg, now, waited = fired[0]
     assert (msg, now) == (TIMEOUT, 10.0)
     assert waited > 4.0  # held until the victim was declared lost (5 s heartbeat timeout)
+
+
+def send_raw(node: Node, frames: list) -> None:
+    """Frames out of ``node``'s socket as they are: what a buggy node of the run sends."""
+    node._outbox.append(frames)
+    node._report_due = True
+    node._wake()
+
+
+def test_what_a_node_or_the_broker_drops_still_counts_as_taken_in(procs):
+    """A node of the run sends, at one instant, everything a node or the broker drops:
+    bodies that do not decode or leave an array frame unreferenced, a message for no
+    local process, control only the broker may send or that lacks its fields, a message
+    over the receiver's size limit; and, dropped by the broker, messages to no one, over
+    its limit, malformed or not its sender's to send. The clock moves on at once: the
+    receiver counts what it drops as taken in, as the broker counted it sent. (A message
+    left uncounted would hold the clock for good: the nodes stay alive, so no heartbeat
+    timeout ever frees it.)"""
+    patience = 30.0  # no node is lost in this test, however slow the host
+    broker = virtual_broker(procs, {}, 4, 1, "--max-message-bytes", str(1 << 20), "--controller", "rx",
+                            heartbeat_timeout=patience)
+    rx = Node("rx", broker, heartbeat_interval=0.1, heartbeat_timeout=patience, max_message_bytes=64 << 10).start()
+    buggy = Node("buggy", broker, heartbeat_interval=0.1, heartbeat_timeout=patience).start()
+    src, to_rx, to_broker = Pid("buggy", 0), Pid("rx", 1), Pid("$broker", 0)
+    unreferenced = msgpack.packb("x")
+    dropped_by_rx = [
+        [wire.pack_header(USER, src, to_rx), unreferenced, b"\0" * 8],  # an array frame the body does not name
+        [wire.pack_header(USER, src, to_rx), b"\xc1"],  # not msgpack
+        [msgpack.packb([1, USER, "buggy", 0, "rx", "nobody"]), msgpack.packb("hi")],  # no such local name
+        wire.encode(wire.CTL, src, Pid("rx", 0), {"op": "advance", "now": 99.0, "count": 0}),  # the broker's op
+        wire.encode(wire.CTL, src, Pid("rx", 0), {"op": "monitor"}),  # lacks its fields
+        wire.encode(USER, src, to_rx, np.zeros(100_000, np.uint8)),  # over rx's 64 KB
+    ]
+    dropped_by_broker = [
+        wire.encode(USER, src, "ghost", "hi"),  # no process of that name
+        wire.encode(USER, src, to_rx, np.zeros(2 << 20, np.uint8)),  # over the broker's 1 MB
+        wire.encode(wire.CTL, src, to_broker, {"op": "whereis"}),  # lacks its fields
+        wire.encode(wire.CTL, src, to_broker, {"op": "shutdown"}),  # not a controller
+    ]
+    got: dict = {}
+
+    def receiver(proc):  # the clock stands at 0 until the garbage is in: both timers are set from 0
+        assert proc.receive(str).body == "sent"
+        proc.node.start_clock()  # (rx is the broker's one controller)
+        got["rx"] = (proc.receive(str, timeout=10.0), proc.now())
+
+    def sender(proc):
+        for frames in dropped_by_rx + dropped_by_broker:
+            send_raw(proc.node, frames)
+        proc.send("rx/receiver", "sent")
+        got["buggy"] = (proc.receive(str, timeout=5.0), proc.now())
+
+    try:
+        rx.spawn(receiver, name="rx/receiver")
+        wait_for(lambda: buggy.whereis("rx/receiver"), "the receiver never registered")
+        buggy.spawn(sender)
+        wait_for(lambda: len(got) == 2, f"the clock froze: {got}", timeout=patience - 5)
+        stats = rx.broker_stats()
+        rx_dropped = dict(rx.dropped)
+    finally:
+        buggy.close()
+        rx.close()
+    assert got == {"rx": (TIMEOUT, 10.0), "buggy": (TIMEOUT, 5.0)}
+    assert rx_dropped == {"malformed": 3, "unknown-destination": 1, "spoofed": 1, "oversize": 1}
+    assert {k: stats["dropped"].get(k) for k in ("unknown-destination", "oversize", "malformed", "not-entitled")} \
+        == {"unknown-destination": 1, "oversize": 1, "malformed": 1, "not-entitled": 1}
+    assert procs.broker_proc.poll() is None
 
 
 # --- whole runs: the same config and seed give the same run, bit for bit ---------------------

@@ -21,7 +21,7 @@ from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
     AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
-    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
+    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait, update_problem,
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
@@ -200,8 +200,9 @@ class Client(Behaviour):
             log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
                      "the round closed without it" if cancelled() else "it went offline")
             return
-        if request.keep_at_node and reply.update is not None and self.kept is not None:
-            self.kept.keep(reply)
+        if (request.keep_at_node and reply.update is not None and self.kept is not None
+                and update_problem(reply.update, request.weights.size) is None):
+            self.kept.keep(reply)  # (an unfit update goes to the server whole: it refuses it, naming why)
         # The device's compute time (modelled, or what real time has not covered yet).
         held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due

@@ -49,6 +49,24 @@ class TrainReply:
     extra: dict | None = None  # what a plug-in task sends beside its update (worker.tasks.TaskOutput)
 
 
+def update_problem(update: object, size: int) -> str | None:
+    """What makes a received update unfit to touch a model of ``size`` weights, in words,
+    or None: it must be a flat float32 array of that size, every value finite (NaN or
+    infinity is what a diverging training gives, a learning rate too high above all).
+    The server checks every update before it is folded in; a worker node, before it
+    keeps one for its partial sum."""
+    if not isinstance(update, np.ndarray):
+        return f"an update of type {type(update).__name__}, not an array"
+    if update.dtype != np.float32:
+        return f"an update of dtype {update.dtype}, not float32"
+    if update.shape != (size,):
+        return f"an update of shape {update.shape}, not the model's ({size},)"
+    finite = np.isfinite(update)  # about 25 us for the 2NN's 199,210 weights
+    if not finite.all():
+        return f"{size - int(np.count_nonzero(finite))} of its {size} values are NaN or infinite (training diverged)"
+    return None
+
+
 @message
 class Cancel:
     """An over-selected round closed without this client's reply: a training still

@@ -17,16 +17,19 @@ its serve loop (this module) holding collaborators, each with one job:
 * ``control`` (control_ops.py): what each control op addressed to the broker does.
 
 With :class:`~fedemu.node.security.RunKeys` the ROUTER is a CURVE server that admits
-only the run's nodes (security.Admission); every refused connection is logged and
-counted (``refused``). A malformed frame, an unknown destination or an oversize message
-is logged with the reason and dropped; the broker keeps serving everyone else.
+only the run's nodes (security.Admission); with a ``token`` a node joins only if its
+hello carries it (control_ops.py); every refused connection or hello is logged and
+counted (``refused``). With ``controllers``, the ops that steer the run
+(control.CONTROLLER_OPS) are taken only from those nodes. A malformed frame, an unknown
+destination or an oversize message is logged with the reason and dropped; the broker
+keeps serving everyone else.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import zmq
 
@@ -78,12 +81,16 @@ class Broker:
         network: NetworkSpec | None = None,
         keys: RunKeys | None = None,
         clock: str = "wall",
+        token: str | None = None,
+        controllers: Iterable[str] | None = None,
     ) -> None:
         if clock not in CLOCKS:
             raise ValueError(f"clock = {clock!r}: use {' or '.join(CLOCKS)}")
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.max_message_bytes = max_message_bytes
+        self.token = token  # a hello must carry it (None: any hello joins)
+        self.controllers = frozenset(controllers) if controllers is not None else None  # None: any node
         self.stats = BrokerStats()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import control, wire
 from ..control import QUIET_OPS
 from ..runtime.holding import clock_identity
+from ..security import token_matches
 from ..wire import Pid, WireError
 
 if TYPE_CHECKING:
@@ -34,12 +35,25 @@ class BrokerControl:
         broker = self._broker
         registry, links, clock = broker.registry, broker.links, broker.time
         body = wire.unpack_body(msg[1].buffer, msg[2:])
+        src = header.src
+        if not known and not (isinstance(body, dict) and body.get("op") == "hello"):
+            # Not in the run (yet): nothing but a hello is read, whatever it is.
+            op = body.get("op") if isinstance(body, dict) else None
+            broker.drop("unknown-node", f"{op!r} from {src.node!r} before hello")
+            broker.send_ctl(identity, src, {"op": "unknown_node"})
+            return
         try:
-            op = control.check(body, control.BROKER)
+            op = control.check(body, control.BROKER,
+                               controller=broker.controllers is None or src.node in broker.controllers)
+        except control.NotEntitled as exc:
+            broker.drop("not-entitled", f"from {src}: {exc}")
+            return
         except control.ControlError as exc:
             raise WireError(str(exc)) from None
-        src = header.src
         if op == "hello":
+            if broker.token is not None and not token_matches(broker.token, body.get("token")):
+                self._refuse(identity, src, "no token" if body.get("token") is None else "a wrong token")
+                return
             registry.join(identity, src.node, known)
             broker.send_ctl(identity, src, {
                 "op": "welcome",
@@ -50,10 +64,6 @@ class BrokerControl:
                 "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),  # wall
                 "clock": clock.name, "time_scale": float(clock.time_scale),
             })
-            return
-        if not known:
-            broker.drop("unknown-node", f"{op!r} from {src.node!r} before hello")
-            broker.send_ctl(identity, src, {"op": "unknown_node"})
             return
         if op not in QUIET_OPS:
             clock.heard(src.node)
@@ -112,6 +122,16 @@ class BrokerControl:
             broker.stop()
         elif op == "bye":
             registry.forget(src.node, reason=None)
+
+    def _refuse(self, identity: bytes, src: Pid, what: str) -> None:
+        """A hello without the run's token: the process is told, and never joins (so it
+        is in none of virtual time's books); counted and logged (rate-limited, as a
+        stranger may keep trying)."""
+        stats = self._broker.stats
+        stats.refused += 1
+        if stats.refused <= 20 or stats.refused % 1000 == 0:
+            log.warning("refused hello from %s (#%d refused): %s, not this run's", src, stats.refused, what)
+        self._broker.send_ctl(identity, src, {"op": "refused", "reason": f"{what}: not a node of this run"})
 
 
 def _held_dropped(broker, counts: Any) -> None:

@@ -72,6 +72,9 @@ class NodeControl:
             log.error("registering %r failed: held by %s", body["name"], body["holder"])
         elif op == "shutdown":
             threading.Thread(target=self.close, args=("shutdown",), daemon=True).start()
+        elif op == "refused":
+            if not self._welcomed.is_set():  # start() raises, naming the reason
+                self._refused = f"its hello was refused ({body['reason']})"
         elif op == "unknown_node":
             # The broker declared this node lost: everyone has seen our processes as
             # DOWN, so living on would break the semantics the others rely on.

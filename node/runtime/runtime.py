@@ -87,6 +87,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         pool_size: int = 1,
         keys: RunKeys | None = None,
         pool_nice: int = 0,
+        token: str | None = None,
     ) -> None:
         if not name or name.startswith("$") or "/" in name:
             raise ValueError(f"bad node name {name!r}")
@@ -111,6 +112,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         self.broker_lost: str | None = None  # why this node lost the broker, once it has
         self.on_close: list[Callable[[str], None]] = []
         self.keys = keys
+        self.token = token  # the run's token, which the broker may ask of a hello (security.py)
         self._broker_clock = BrokerClock()
         self._held = HeldMessages(self._io_deliver, self._broker_clock)
         self._init_timekeeping()
@@ -133,7 +135,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
                 self.close("no broker")
                 raise NodeError(f"no broker answered at {self.broker} within {connect_timeout:.0f}s")
             if now >= next_hello:  # the first may precede the connect
-                self._send_ctl(BROKER_PID, {"op": "hello", "t": time.monotonic()})  # wall: the broker estimates clock offsets from it
+                self._send_ctl(BROKER_PID, {"op": "hello", "t": time.monotonic(),  # wall: a first clock-offset sample
+                                            **({"token": self.token} if self.token is not None else {})})
                 next_hello = now + 0.5
         return self
 

@@ -41,6 +41,17 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_F
 _HANDOVER_GROUP = 16
 
 
+def _relayed(frames: list) -> bool:
+    """Whether a message this node could not decode was a user or control message the
+    broker relayed from a node: in virtual time the broker counted it as a delivery
+    (it relays only messages whose header it checked; its own messages decode)."""
+    try:
+        header = wire.unpack_header(bytes(frames[0]))
+    except (WireError, IndexError):
+        return False
+    return header.kind in (USER, CTL) and header.src.node != BROKER_NODE
+
+
 class Transport:
     """Node's socket, I/O thread and send path (a mixin of :class:`~fedemu.node.runtime.Node`)."""
 
@@ -280,7 +291,9 @@ class Transport:
         try:
             header, body = wire.decode(frames, self.max_message_bytes)
         except WireError as exc:
-            self._drop("malformed", str(exc))
+            self._drop("oversize" if isinstance(exc, wire.OversizeError) else "malformed", str(exc))
+            if self.clock.virtual and _relayed(frames):
+                self._count_work(in_batch=True)  # dropped, but taken in: the broker counted it
             return
         if header.kind == MANY:
             try:
@@ -288,33 +301,42 @@ class Transport:
             except WireError as exc:
                 self._drop("malformed", f"message to many from {header.src}: {exc}")
         elif header.kind == USER:
-            dst = header.dst
-            if isinstance(dst, str):
-                proc = self._names.get(dst)
-                if proc is None:
-                    self._drop("unknown-destination", f"no local process named {dst!r}")
-                    return
-                dst = proc.pid.id
-            if type(header.timing) is Hold or self._held.pairs:
-                self._held.arrive(header.src, dst, body, header.timing)
-            else:
-                self._io_deliver(header.src, dst, body)
-            if self.clock.virtual:
-                self._count_work(in_batch=True)
+            try:
+                self._on_user(header, body)
+            finally:  # delivered or dropped, a delivery of the instant (virtual time's books)
+                if self.clock.virtual:
+                    self._count_work(in_batch=True)
         else:
             self._hand_over()  # what came before a control message (a DOWN) is delivered before it
+            relayed = header.src.node != BROKER_NODE
+            op = body.get("op") if isinstance(body, dict) else None
             try:
-                control.check(body, control.NODE, from_broker=header.src.node == BROKER_NODE)
-            except control.ControlError as exc:
-                self._drop("spoofed" if "from the broker only" in str(exc) else "malformed",
-                           f"{exc} (from {header.src})")
-                return
-            try:
+                control.check(body, control.NODE, from_broker=not relayed)
                 self._control(header, body)
+            except control.ControlError as exc:
+                self._drop("spoofed" if isinstance(exc, control.NotEntitled) else "malformed",
+                           f"{exc} (from {header.src})")
             except Exception as exc:  # whatever a peer sends, the I/O thread lives on
                 self._drop("malformed", f"control message {body!r}: {type(exc).__name__}: {exc}")
-            if self.clock.virtual and body["op"] in WORK_OPS:
-                self._count_work(in_batch=body["op"] in RELAYED_OPS)
+            finally:
+                # Virtual time's books: the broker counted every control message it relayed
+                # from a node (a delivery of the instant) and its own work ops, whatever
+                # became of them here.
+                if self.clock.virtual and (relayed or op in WORK_OPS):
+                    self._count_work(in_batch=relayed or op in RELAYED_OPS)
+
+    def _on_user(self, header: wire.Header, body: Any) -> None:
+        dst = header.dst
+        if isinstance(dst, str):
+            proc = self._names.get(dst)
+            if proc is None:
+                self._drop("unknown-destination", f"no local process named {dst!r}")
+                return
+            dst = proc.pid.id
+        if type(header.timing) is Hold or self._held.pairs:
+            self._held.arrive(header.src, dst, body, header.timing)
+        else:
+            self._io_deliver(header.src, dst, body)
 
     def _on_many(self, header: wire.Header, fanout: wire.Fanout) -> None:
         """A message to many from the broker. In wall time, each recipient's copy with
