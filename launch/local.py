@@ -230,11 +230,24 @@ def format_event(event: dict, rounds: int) -> str:
         acc = "   -  " if event.get("accuracy") is None else f"{event['accuracy']:.4f}"
         loss = "  -   " if event.get("loss") is None else f"{event['loss']:.4f}"
         emulated = event.get("emulated_s")
-        return (f"round {event['round']:4d}/{rounds}  acc {acc}  loss {loss}  "
-                f"clients {event['participants']:3d}  up {event['bytes_up'] / 1e6:7.2f} MB  "
+        if "merges" in event:  # an asynchronous rule's evaluation: uploads, not rounds
+            low, high = event.get("staleness_min"), event.get("staleness_max")
+            who = (f"uploads {event['uploads']:3d}  merges {event['merges']:3d}  "
+                   + (f"staleness {low}-{high}  " if low is not None else ""))
+            head = f"eval  {event['round']:4d}/{rounds}"
+        else:
+            who = _participation(event)
+            head = f"round {event['round']:4d}/{rounds}"
+        duration = event.get("round_emulated_s")
+        return (f"{head}  acc {acc}  loss {loss}  {who}up {event['bytes_up'] / 1e6:7.2f} MB  "
+                + (f"took {duration:6.1f}s  " if duration is not None else "")
                 + (f"emulated {emulated:8.1f}s  " if emulated is not None else "")
                 + f"wall {event['t']:6.1f}s")
     if kind == "start":
+        if "eval_every_uploads" in event:
+            return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), asynchronous "
+                    f"({event.get('algorithm')}): an evaluation every {event['eval_every_uploads']} uploads, "
+                    f"{event.get('clock', 'wall')} clock")
         return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), "
                 f"{event['per_round']} per round, {event.get('clock', 'wall')} clock")
     if kind == "hint":
@@ -244,3 +257,16 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "end":
         return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
+
+
+def _participation(event: dict) -> str:
+    """A round's selected clients by what happened to them (as the emulator knows it)."""
+    counts = event.get("outcome_counts")
+    if counts is None:  # a log written before the outcomes were recorded
+        return f"clients {event['participants']:3d}  "
+    text = (f"answered {counts['answered']:3d}  straggled {counts['straggler']:3d}  "
+            f"offline {counts['offline']:3d}  ")
+    for name, label in (("failed_transfer", "lost in transfer"), ("dropped", "dropped"), ("discarded", "discarded")):
+        if counts.get(name):
+            text += f"{label} {counts[name]}  "
+    return text
