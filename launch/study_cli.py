@@ -92,8 +92,16 @@ def sweep_task(folder: Path) -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: SWEEP/report, or ./report).")
 @click.option("--target", type=float, help="Accuracy for time to target, e.g. 0.9 (default: the sweep's or run's).")
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Figure formats, comma-separated.")
-def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str) -> None:
-    """Plots and a Markdown table for runs (finished or not) and sweeps."""
+@click.option("--timeline", is_flag=True,
+              help="Draw the run's timeline instead: a Gantt figure of each selected client's download, compute, "
+                   "upload and offline time (one run).")
+@click.option("--rounds", metavar="R", help="With --timeline: the rounds to draw, e.g. 3, 2-5 or 1,4 (default: the first three).")
+@click.option("--clients", "max_clients", type=int, default=40, show_default=True,
+              help="With --timeline: at most this many clients (rows).")
+def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str, timeline: bool,
+           rounds: str | None, max_clients: int) -> None:
+    """Plots and a Markdown table for runs (finished or not) and sweeps; with --timeline,
+    a run's Gantt figure."""
     from .report import report as make_report
     from .results import ReportError
 
@@ -103,7 +111,19 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
     bad = set(kinds) - {"png", "svg", "pdf"}
     if bad or not kinds:
         raise click.ClickException(f"--format: choose among png, svg, pdf (got {formats!r})")
+    if not timeline and (rounds or max_clients != 40):
+        raise click.UsageError("--rounds and --clients go with --timeline")
     try:
+        if timeline:
+            from .report_timeline import plot_gantt
+
+            if len(paths) != 1:
+                raise click.UsageError("--timeline draws one run: give one run directory")
+            folder = Path(out) if out else Path(paths[0]) / "report"
+            folder.mkdir(parents=True, exist_ok=True)
+            figures = plot_gantt(paths[0], folder, rounds, max_clients, kinds)
+            click.echo("timeline: " + ", ".join(str(p) for p in figures))
+            return
         folder = make_report(list(paths), out, target, kinds)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
@@ -138,12 +158,29 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
 @click.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True,
-              help="CSV file to write ('-': standard output).")
-def export(paths: tuple[str, ...], output: str) -> None:
+              help="File to write ('-': standard output).")
+@click.option("--trace", is_flag=True,
+              help="Write one run's timeline as Chrome trace JSON instead (Perfetto, chrome://tracing): a track "
+                   "per client.")
+def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
     """One tidy table of runs and sweeps: a CSV row per evaluation, with each run's path,
-    status, algorithm and the keys that vary between runs (a sweep's axes)."""
+    status, algorithm and the keys that vary between runs (a sweep's axes). With
+    --trace, one run's timeline in the Chrome trace event format."""
     from .results import ReportError, evaluation_records, write_csv
 
+    if trace:
+        from .report_timeline import write_trace
+
+        if len(paths) != 1:
+            raise click.UsageError("--trace exports one run: give one run directory")
+        try:
+            with click.open_file(output, "w", encoding="utf-8") as out:
+                count = write_trace(paths[0], out)
+        except ReportError as exc:
+            raise click.ClickException(str(exc)) from None
+        if output != "-":
+            click.echo(f"{count} trace events -> {output} (open it in ui.perfetto.dev or chrome://tracing)", err=True)
+        return
     try:
         records = evaluation_records(list(paths))
     except ReportError as exc:
