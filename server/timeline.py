@@ -38,6 +38,9 @@ KINDS = ("download", "upload", "compute", "offline", "online", "round")
 OUTCOMES = ("answered", "dropped", "offline", "failed_transfer", "discarded", "straggler")
 FAILED = ("loss", "queue", "timeout")  # transfer outcomes that lose the message on a live link
 UP, DOWN = 0, 1  # net.links' directions, as TRANSFER_FIELDS carry them
+# A late reply's upload is the one that entered the link when the reply says it left the
+# device: the same instant in virtual time; on the wall clock, within this.
+SAME_INSTANT = 1e-3
 
 
 @dataclass
@@ -94,6 +97,9 @@ class Timeline:
         self._offline_since: dict[int, float] = {}  # devices offline now, since when
         self._rows: list[tuple] = []  # waiting for the next flush
         self._replies: dict[int, dict[int, tuple]] = {}  # round -> client -> (start, end, compute_s)
+        # Clients' replies that came after their round closed: when each entered its uplink,
+        # so that upload is not counted in the round it landed in.
+        self._late_ends: dict[int, list[float]] = {}
 
     # --- what comes in -------------------------------------------------------------------
 
@@ -123,6 +129,8 @@ class Timeline:
         if started is None or ended is None:
             return  # a client of an older fedemu
         self._replies.setdefault(round_, {})[client] = (started, ended, compute_s)
+        if late:
+            self._late_ends.setdefault(client, []).append(ended)
         self._add(round_, client, "compute", started, ended, None, None, None, "late" if late else "on time")
 
     def round_span(self, round_: int, start: float, end: float, outcome: str) -> None:
@@ -147,6 +155,7 @@ class Timeline:
         that did not answer (straggler, dropped, discarded), ``replies`` the counted
         replies by client, ``slowdown(client)`` its straggler factor."""
         computed = self._replies.pop(round_, {})
+        late_ends, self._late_ends = self._late_ends, {}
         for old in [r for r in self._replies if r < round_ - 1]:
             del self._replies[old]  # late replies of long-closed rounds are written, not judged
         out = []
@@ -157,7 +166,8 @@ class Timeline:
             downloads = [t for t in transfers if t[1] == DOWN and _began(t) >= start]
             span = computed.get(k)
             after = span[0] if span else min((t[3] for t in downloads), default=start)
-            uploads = [t for t in transfers if t[1] == UP and _began(t) >= after]
+            uploads = [t for t in transfers if t[1] == UP and _began(t) >= after
+                       and not any(abs(_began(t) - e) < SAME_INSTANT for e in late_ends.get(k, ()))]
             c = ClientRound(k, view, view, slowdown=round(slowdown(k), 6))
             if reply is not None:
                 c.num_samples, c.train_loss, c.compute_s = reply.num_samples, reply.train_loss, reply.compute_s
