@@ -26,9 +26,12 @@ def main() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: run.out/<time>-<algorithm>-...).")
 @click.option("--workers", type=int,
               help="Worker nodes (OS processes); default: number of cores. With --machines: per host without slots=.")
+@click.option("--tensorboard", is_flag=True,
+              help="Write TensorBoard event files as the run goes (run.tensorboard = true): "
+                   "tensorboard --logdir RUN_DIR shows them.")
 @machine_options
 def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None,
-           machines) -> None:
+           tensorboard: bool, machines) -> None:
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
     Slurm allocation (--slurm)."""
@@ -41,6 +44,8 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     if workers is not None and isinstance(machines, Allocation):
         raise click.UsageError("with --slurm the allocation's tasks are the worker nodes: ask Slurm for them "
                                "(--ntasks, --ntasks-per-node) instead of --workers")
+    if tensorboard:
+        overrides = (*overrides, "run.tensorboard=true")
     try:
         run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
     except (configuration.ConfigError, LaunchError, DatasetError) as exc:

@@ -23,7 +23,7 @@ from . import config as configuration
 from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
-from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_record, load_run, load_sweep
+from .results import ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, Run, flat, is_sweep, load_record, load_run, load_sweep
 
 
 class CompareError(ValueError):
@@ -105,7 +105,7 @@ def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple,
         ineffective = set.intersection(*(configuration.ineffective_keys(r.config) for r in members))
         for key in flats[0].keys() | set().union(*flats):
             if (key in REPEAT_KEYS or key == by or key in ineffective
-                    or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir")):
+                    or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir", *VIEW_KEYS)):
                 continue
             values = {json.dumps(f.get(key), sort_keys=True) for f in flats}
             if len(values) > 1:

@@ -27,6 +27,8 @@ X_AXES = (
     ("emulated_s", "emulated time since the first round began (s)", "emulated-time", "emulated time"),
     ("mb_up", "uploaded by clients (MB, 10^6 bytes)", "uploaded", "bytes uploaded"),
 )
+# Keys that change what a run writes, not what it does.
+VIEW_KEYS = ("run.tensorboard", "run.timeline", "run.client_log")
 # Axes whose values are repetitions, not conditions: averaged over in sweep figures.
 REPEAT_KEYS = ("run.seed", "data.fold")
 ALGORITHM_KEY = "algorithm.name"
@@ -191,7 +193,7 @@ def differing_keys(configs: list[dict]) -> list[str]:
     """Config keys whose values are not the same in every config (in config order)."""
     flats = [flat(c) for c in configs]
     keys = list(dict.fromkeys(k for f in flats for k in f))
-    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir"}
+    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir", *VIEW_KEYS}
     return [k for k in keys if k not in ignore and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
 
 

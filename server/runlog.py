@@ -64,6 +64,7 @@ class RunLog:
             raise write_error(self.path, exc) from None
         self._events = _Lines(self.path)
         self._tables: dict[str, _Lines] = {}  # CSV files, each opened with its first rows
+        self.listeners: list = []  # called with each event once it is written (TensorBoard)
 
     def _reserve(self) -> None:
         reserve = self.run_dir / RESERVE
@@ -87,6 +88,8 @@ class RunLog:
         except RunLogError as exc:
             self.failed = exc
             raise
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def table(self, name: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
