@@ -47,7 +47,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     if tensorboard:
         overrides = (*overrides, "run.tensorboard=true")
     try:
-        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
+        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines, live=True)
     except (configuration.ConfigError, LaunchError, DatasetError) as exc:
         raise _config_error(exc) from None
     click.echo(f"summary: {json.dumps(summary)}")

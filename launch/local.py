@@ -10,24 +10,27 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fedemu.server.runlog import EVENTS, RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
+from fedemu.server.runlog import RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
 
 from . import config as configuration
 from .lifecycle import child_env, describe_exit, stop_reason
+from .progress import EventTail
 from .rundir import LaunchError, write_run_file
 
 
 class LocalRun:
     """The OS processes of one run on this machine."""
 
-    def __init__(self, config: dict, run_dir: Path, workers: int, echo: Callable[[str], None] = print):
+    def __init__(self, config: dict, run_dir: Path, workers: int, echo: Callable[[str], None] = print,
+                 on_event: Callable[[dict], None] | None = None):
         self.config = config
         self.run_dir = run_dir
         self.workers = workers
         self.echo = echo
+        self.on_event = on_event  # each event as it is printed (the progress bar)
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
-        self._events_offset = 0
+        self._events = EventTail(run_dir)
         self.broker_died: str | None = None  # how the broker process ended, if before the server
         self.interrupted_by: int | None = None  # the stop signal (or Ctrl-C) this launcher got
 
@@ -135,17 +138,10 @@ class LocalRun:
         """Report a lost host; a hook for runs with nodes on other machines."""
 
     def _print_new_events(self) -> None:
-        path = self.run_dir / EVENTS
-        if not path.exists():
-            return
-        with open(path, encoding="utf-8") as f:
-            f.seek(self._events_offset)
-            while True:
-                line = f.readline()
-                if not line.endswith("\n"):
-                    break
-                self._events_offset = f.tell()
-                self.echo(format_event(json.loads(line), self.config["run"]["rounds"]))
+        for event in self._events.new():
+            self.echo(format_event(event, self.config["run"]["rounds"]))
+            if self.on_event is not None:
+                self.on_event(event)
 
     def summary(self) -> dict:
         path = self.run_dir / SUMMARY

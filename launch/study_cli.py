@@ -64,7 +64,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
                                      points_per_task=points_per_task, wait=wait, echo=click.echo, dry_run=dry_run)
         else:
             counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
-                               echo=click.echo, dry_run=dry_run)
+                               echo=click.echo, dry_run=dry_run, live=True)
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
