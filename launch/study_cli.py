@@ -134,13 +134,22 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--by", default="algorithm.name", show_default=True, help="Config key whose values are compared.")
 @click.option("--metric", default="final_accuracy", show_default=True,
-              type=click.Choice(["final_accuracy", "best_accuracy"]))
-@click.option("--rope", default=0.01, show_default=True, help="Region of practical equivalence, in accuracy (0.01 = 1 point).")
+              type=click.Choice(["final_accuracy", "best_accuracy", "time_to_target", "bytes_to_target",
+                                 "rounds_to_target"]),
+              help="What is compared; *_to_target: emulated seconds, MB uploaded or rounds to --target accuracy "
+                   "(lower is better).")
+@click.option("--target", type=float, help="Accuracy for *_to_target (default: the sweep's target, or run.target_accuracy).")
+@click.option("--unreached", default="error", show_default=True, type=click.Choice(["error", "drop", "budget"]),
+              help="A run that never reached --target: refuse, naming it (error); leave its pair out (drop); or "
+                   "count what it spent in all, a lower bound (budget).")
+@click.option("--rope", type=float,
+              help="Region of practical equivalence, in the metric's unit (default: 0.01 = 1 point of accuracy; "
+                   "1% of the mean for *_to_target).")
 @click.option("--decide", default=0.95, show_default=True, help="Posterior mass a region needs for +, - or =.")
 @click.option("--where", multiple=True, metavar="SECTION.KEY=VALUE", help="Only runs with this config value.")
 @click.option("--out", type=click.Path(file_okay=False), help="Folder for compare.md and the posterior plots.")
-def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: float, where: tuple[str, ...],
-            out: str | None) -> None:
+def compare(paths: tuple[str, ...], by: str, metric: str, target: float | None, unreached: str, rope: float | None,
+            decide: float, where: tuple[str, ...], out: str | None) -> None:
     """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps,
     run directories or run records: the .json files bench/nilsson_table1.py keeps), paired
     by seed and fold, as Nilsson et al. 2018 did."""
@@ -148,7 +157,8 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
     from .results import ReportError
 
     try:
-        text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out)
+        text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out,
+                           target=target, unreached=unreached)
     except (CompareError, ReportError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(text)
