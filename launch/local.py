@@ -157,7 +157,10 @@ class LocalRun:
                 return {"status": "failed", "reason": "the server node did not finish"}
             # The server node died (killed, crashed) or never started: record that in the
             # run directory too, so tools that read summary.json see a failed run.
-            if server is None and self.interrupted_by is not None:
+            if self.interrupted_by is not None and (server is None or server.returncode in (
+                    -self.interrupted_by, 1, 128 + self.interrupted_by)):
+                # Stopped before its server could write a summary (still starting up: the
+                # signal's default action ended it): interrupted, as the sweep's index says.
                 summary = {"status": "interrupted",
                            "reason": f"{stop_reason(self.interrupted_by)}, before the run started"}
             else:

@@ -67,9 +67,11 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
                                echo=click.echo, dry_run=dry_run, live=True)
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from .lifecycle import interrupted_exit_code
+
         click.echo("sweep interrupted; run the same command again to resume it")
-        sys.exit(130)
+        sys.exit(interrupted_exit_code(None, getattr(exc, "signum", None)))
     if dry_run:
         return
     click.echo("sweep: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
