@@ -148,7 +148,7 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     for row, k in enumerate(shown):
         for span in timeline.spans.get(k, []):
             end = min(span.end, hi + pad)
-            if end < lo - pad or span.start > hi + pad:
+            if end < lo - pad or span.start >= hi:  # the next round's first instant is not these rounds'
                 continue
             if span.kind == "offline":
                 ax.broken_barh([(span.start, end - span.start)], (row - 0.45, 0.9), facecolors=COLORS["offline"],
