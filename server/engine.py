@@ -159,6 +159,7 @@ class Engine:
         except Exception as exc:
             status, reason = self._failure(proc, exc)
         if self.runlog.failed is None:
+            self._last_of_the_timeline(proc)
             try:
                 self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
                                   uploads=self.totals.uploads)
@@ -185,6 +186,16 @@ class Engine:
             bytes_down=self.totals.bytes_down,
             faults=len(self.totals.faults),
         )
+
+    def _last_of_the_timeline(self, proc: ThreadProcess) -> None:
+        """What happened since the last round's take (a run stopped mid-round), into
+        timeline.csv; nothing if the broker cannot answer any more."""
+        try:
+            if self._clock_started is not None and _broker_lost(proc) is None:
+                self.timeline.take(proc.node.broker_stats(timeline=True), self.totals.rounds + 1)
+            self.timeline.flush()
+        except (NodeError, RunLogError, OSError, AttributeError) as exc:  # AttributeError: a stand-in process
+            log.info("the timeline's last rows are not written: %s", exc)
 
     def _failure(self, proc: ThreadProcess, exc: Exception) -> tuple[str, str]:
         """Why the run ends with ``exc``: a stop asked for meanwhile (the launcher died,
