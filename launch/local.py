@@ -254,7 +254,9 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "fault":
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":
-        return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
+        done = (f"{event['evaluations']} evaluations ({event.get('uploads')} uploads)" if "evaluations" in event
+                else f"{event['rounds']} rounds")
+        return f"end: {event['status']} after {done} ({event['reason']})"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
 
 

@@ -138,7 +138,9 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     lo = min(timeline.rounds[r][0] for r in chosen)
     hi = max(timeline.rounds[r][1] for r in chosen)
     clients = sorted({k for r in chosen for k in timeline.selected.get(r, [])})
+    rounds_word = "round"
     if not clients:  # an asynchronous run: whoever worked in these evaluations
+        rounds_word = "evaluation"
         clients = sorted(k for k, spans in timeline.spans.items()
                          if any(s.kind != "offline" and s.start < hi and s.end > lo for s in spans))
     shown = clients[:max_clients]
@@ -163,7 +165,7 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     for r in chosen:
         start, end, _ = timeline.rounds[r]
         ax.axvline(start, color="black", linewidth=0.8)
-        ax.text(start, 1.0, f" round {r}", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
+        ax.text(start, 1.0, f" {rounds_word} {r}", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
         if timeline.deadline_s and timeline.selected.get(r):
             ax.axvline(start + timeline.deadline_s, color="#d62728", linewidth=1, linestyle="--")
     ax.axvline(hi, color="black", linewidth=0.8)
@@ -177,19 +179,20 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     ax.set_xlim(lo - pad, hi + pad)
     ax.set_xlabel("emulated time since the run started (s)")
     handles = [Patch(color=COLORS["download"], label="download"), Patch(color=COLORS["compute"], label="compute"),
-               Patch(color=COLORS["late"], label="compute (reply after its round)"),
+               *([Patch(color=COLORS["late"], label="compute (reply after its round)")] if rounds_word == "round" else []),
                Patch(color=COLORS["upload"], label="upload"),
                Patch(facecolor=COLORS["offline"], alpha=0.35, hatch="//", edgecolor="#666666", label="offline"),
                Patch(color=COLORS["failed"], label="lost transfer (×)")]
-    if timeline.deadline_s:
+    if timeline.deadline_s and rounds_word == "round":
         from matplotlib.lines import Line2D
 
         handles.append(Line2D([], [], color="#d62728", linestyle="--", label="deadline"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, frameon=False, fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
-    what = f"round {chosen[0]}" if len(chosen) == 1 else f"rounds {chosen[0]}-{chosen[-1]}"
+    what = f"{rounds_word} {chosen[0]}" if len(chosen) == 1 else f"{rounds_word}s {chosen[0]}-{chosen[-1]}"
     more = f"; {len(clients) - len(shown)} more clients not shown" if len(clients) > len(shown) else ""
-    ax.set_title(f"Each selected client's {what} (white: idle{more})", pad=14)
+    who = "Each selected client's" if rounds_word == "round" else "Each client in"
+    ax.set_title(f"{who} {what} (white: idle{more})", pad=14)
     paths = save_figure(fig, Path(out), "timeline", formats)
     plt.close(fig)
     return paths

@@ -162,7 +162,8 @@ class Engine:
             self._last_of_the_timeline(proc)
             try:
                 self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
-                                  uploads=self.totals.uploads)
+                                  uploads=self.totals.uploads,
+                                  **({} if self.synchronous else {"evaluations": self.totals.rounds}))
             except RunLogError as exc:
                 log.error("%s", exc)
                 if status == "completed":
