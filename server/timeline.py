@@ -95,6 +95,7 @@ class Timeline:
         self.runlog = runlog
         self.write = write
         self._offline_since: dict[int, float] = {}  # devices offline now, since when
+        self._before: dict[int, float] = {}  # the same, before the last take's switches
         self._rows: list[tuple] = []  # waiting for the next flush
         self._replies: dict[int, dict[int, tuple]] = {}  # round -> client -> (start, end, compute_s)
         # Clients' replies that came after their round closed: when each entered its uplink,
