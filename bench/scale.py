@@ -2,6 +2,7 @@
 
     python bench/scale.py [--populations 1000 10000 100000] [--per-round 10 100 1000]
                           [--examples 1] [--rounds 4] [--json out.json]
+                          [--profile lan] [--timeline all|off]
 
 For each population P and clients per round m (m <= P): ``fedemu launch`` of the default
 job (MNIST 2NN, FedAvg, E=1, B=10, virtual time, one worker node per core) with
@@ -21,7 +22,10 @@ Printed per point:
   per second of round, and how many the broker actually relayed (a round's model goes
   to each worker node once, however many of its clients were selected);
 * peak PSS: proportional set size summed over every process of the run (the tree),
-  sampled every 0.2 s from /proc, and the peak of each kind of process.
+  sampled every 0.2 s from /proc, and the peak of each kind of process;
+* timeline: the run's timeline.csv, in KB and rows per round (``--profile`` gives every
+  client a link, whose transfers it records; with ideal links it has the computations
+  only). Run the same point with ``--timeline off`` for what writing it costs a round.
 """
 from __future__ import annotations
 
@@ -118,8 +122,11 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server") -> dict:
-    command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), "--set", f"run.aggregation={aggregation}",
+def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server",
+        profile: str | None = None, timeline: str = "all") -> dict:
+    extra = ["--set", f"network.default_profile={profile}"] if profile else []
+    command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), *extra,
+               "--set", f"run.timeline={timeline}", "--set", f"run.aggregation={aggregation}",
                "--set", f"data.clients={population}", "--set", f"algorithm.C={per_round / population!r}",
                "--set", "data.partition=sample", "--set", f"data.examples_per_client={examples}",
                "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0"]
@@ -170,6 +177,10 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     relayed_share = ((stats["msgs_up"] + stats["fanout_msgs"] + stats["msgs_down"] - stats["fanout_receivers"])
                      / max(stats["msgs_up"] + stats["msgs_down"], 1))
     round_wall = sum(e["round_s"] for e in timed)
+    timeline_file = out / "timeline.csv"
+    timeline_kb = timeline_file.stat().st_size / 1024 if timeline_file.exists() else 0.0
+    timeline_rows = sum(1 for _ in open(timeline_file)) - 1 if timeline_file.exists() else 0
+    all_rounds = len(timed) + 1
     return {
         "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
         "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
@@ -177,6 +188,8 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
         "training_cpu_s": round(training_cpu, 3), "rest_cpu_s": round(all_cpu - training_cpu, 3),
         "delivered_per_s": round(delivered / round_wall), "relayed_per_s": round(delivered * relayed_share / round_wall),
         "peak_tree_pss_mb": round(peak_tree / 1024), "peak_pss_mb": {k: round(v / 1024) for k, v in sorted(peak_role.items())},
+        "timeline_kb_per_round": round(timeline_kb / all_rounds, 1),
+        "timeline_rows_per_round": round(timeline_rows / all_rounds),
         "wall_s": round(time.monotonic() - started, 1),
     }
 
@@ -198,6 +211,9 @@ def main() -> None:
     parser.add_argument("--aggregation", choices=("server", "nodes"), default="server",
                         help="run.aggregation: the server adds every update, or each worker node sums its clients'")
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--profile", help="network.default_profile (e.g. lan): links whose transfers the timeline "
+                                          "records (default: ideal links)")
+    parser.add_argument("--timeline", choices=("all", "off"), default="all", help="run.timeline")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("need --rounds >= 2")
@@ -209,21 +225,24 @@ def main() -> None:
                     continue
                 print(f"  {population} clients, {per_round} per round ...", file=sys.stderr, flush=True)
                 results.append(run(population, per_round, args.examples, args.rounds,
-                                   Path(tmp) / f"{population}-{per_round}", args.aggregation))
+                                   Path(tmp) / f"{population}-{per_round}", args.aggregation, args.profile,
+                                   args.timeline))
                 if args.json:  # as it goes: a long grid keeps what it measured
                     args.json.write_text(json.dumps(results, indent=2))
     roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
     print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
-          f"'sample'), aggregation on the {args.aggregation}; {os.cpu_count()} cores; 1-min load average at end "
-          f"{os.getloadavg()[0]:.2f}")
+          f"'sample'), aggregation on the {args.aggregation}, links {args.profile or 'ideal'}, timeline "
+          f"{args.timeline}; {os.cpu_count()} cores; 1-min load average at end {os.getloadavg()[0]:.2f}")
     print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / rest "
-          "| delivered msg/s | relayed msg/s | tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles) + " |")
-    print("|" + " ---: |" * (10 + len(roles)))
+          "| delivered msg/s | relayed msg/s | tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles)
+          + " | timeline KB / rows per round |")
+    print("|" + " ---: |" * (11 + len(roles)))
     for r in results:
         print(f"| {r['population']} | {r['per_round']} | {r['start_s']} | {r['median_round_s']} | {r['training_s']} "
               f"| {r['rest_s']} | {r['training_cpu_s']} / {r['rest_cpu_s']} "
               f"| {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
-              + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles) + " |")
+              + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles)
+              + f" | {r['timeline_kb_per_round']} / {r['timeline_rows_per_round']} |")
 
 
 if __name__ == "__main__":

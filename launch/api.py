@@ -8,7 +8,7 @@ as they come, read its history as records, stop it.
         if event["event"] == "round":
             print(event["round"], event["accuracy"])
     run.summary                                 # summary.json: status, accuracies, bytes
-    pandas.DataFrame(run.history())             # a row per evaluation
+    rows = run.history()                        # a row per evaluation (pandas.DataFrame(rows), if you use it)
     run.stop()                                  # an orderly stop: status "interrupted"
 
 A config is a dict of sections as in a TOML file, a file, or both (the dict wins), with
@@ -49,7 +49,9 @@ class Run:
 
     @property
     def running(self) -> bool:
-        return self.process.poll() is None
+        """Until the run has ended: its summary written (the launcher may still be
+        stopping its nodes for a moment after that)."""
+        return self.process.poll() is None and not (self.dir / SUMMARY).exists()
 
     @property
     def summary(self) -> dict | None:

@@ -16,6 +16,7 @@ def _config_error(exc: Exception) -> click.ClickException:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fedemu", message="%(prog)s %(version)s")
 def main() -> None:
     """fedemu: a federated-learning emulator on real processes and sockets."""
 
@@ -26,9 +27,12 @@ def main() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: run.out/<time>-<algorithm>-...).")
 @click.option("--workers", type=int,
               help="Worker nodes (OS processes); default: number of cores. With --machines: per host without slots=.")
+@click.option("--tensorboard", is_flag=True,
+              help="Write TensorBoard event files as the run goes (run.tensorboard = true): "
+                   "tensorboard --logdir RUN_DIR shows them.")
 @machine_options
 def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None, workers: int | None,
-           machines) -> None:
+           tensorboard: bool, machines) -> None:
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
     Slurm allocation (--slurm)."""
@@ -41,12 +45,18 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     if workers is not None and isinstance(machines, Allocation):
         raise click.UsageError("with --slurm the allocation's tasks are the worker nodes: ask Slurm for them "
                                "(--ntasks, --ntasks-per-node) instead of --workers")
+    if tensorboard:
+        overrides = (*overrides, "run.tensorboard=true")
     try:
-        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
+        run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines, live=True)
     except (configuration.ConfigError, LaunchError, DatasetError) as exc:
         raise _config_error(exc) from None
     click.echo(f"summary: {json.dumps(summary)}")
     click.echo(f"run directory: {run_dir}")
+    if summary.get("status") == "interrupted":  # as `fedemu sweep` exits when interrupted
+        from .lifecycle import interrupted_exit_code
+
+        sys.exit(interrupted_exit_code(summary.get("reason")))
     if summary.get("status") != "completed":
         sys.exit(1)
 
@@ -60,23 +70,57 @@ def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
         config = configuration.load(config_file, list(overrides))
     except configuration.ConfigError as exc:
         raise _config_error(exc) from None
-    click.echo(configuration.to_toml(config))
+    click.echo(configuration.to_toml(_as_it_runs(config)))
     for finding in configuration.findings(config):  # what is left is a risk the user accepted
         click.echo(f"warning ({finding.rule}, accepted): {finding.message}")
     click.echo("ok: the config is valid")
 
 
-@main.command()
-@click.argument("name", required=False)
-def algorithms(name: str | None) -> None:
-    """List the algorithms (built-in, and NAME if it is a plug-in) with their own
-    algorithm.* options and defaults."""
+def _as_it_runs(config: dict) -> dict:
+    """The resolved config as this run uses it: without the options of other algorithms
+    (a config may carry them, for a sweep over algorithm.name) and with the network's
+    default profile said, not left implicit."""
+    import copy
+
+    shown = copy.deepcopy(config)
+    for key in configuration.ineffective_keys(config):
+        section, _, name = key.partition(".")
+        if section == "algorithm":
+            shown["algorithm"].pop(name, None)
     from fedemu.server import algorithm
 
     try:
-        classes = dict(algorithm.built_in())
+        synchronous = algorithm.get(config["algorithm"]["name"]).synchronous
+    except algorithm.UnknownAlgorithm:
+        synchronous = None
+    other_engine = {True: ASYNC_ONLY, False: ROUNDS_ONLY}.get(synchronous, ())
+    for name in other_engine:
+        shown["algorithm"].pop(name, None)
+    network = shown.setdefault("network", {})
+    network.setdefault("default_profile", "ideal")
+    return shown
+
+
+# Shared algorithm.* keys that only one engine reads.
+ASYNC_ONLY = ("eval_every_uploads", "merge_s", "retry_s")
+ROUNDS_ONLY = ("lr_round_decay", "deadline_s", "quorum", "on_quorum_missed", "over_select")
+
+
+@main.command()
+@click.argument("name", required=False)
+def algorithms(name: str | None) -> None:
+    """List the algorithms (built-in, and those installed packages bring; or NAME, a
+    plug-in too) with their own algorithm.* options and defaults."""
+    from fedemu.server import algorithm
+
+    try:
         if name:
             classes = {name: algorithm.get(name)}
+        else:
+            classes = dict(algorithm.built_in())
+            for plugin in algorithm.installed():
+                if plugin not in classes:
+                    classes[plugin] = algorithm.get(plugin)
     except algorithm.UnknownAlgorithm as exc:
         raise _config_error(exc) from None
     for key, cls in classes.items():

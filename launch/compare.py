@@ -9,6 +9,12 @@ accuracy difference B - A, corrected for the overlap of k-fold training sets
 practically equivalent (within the rope), B practically better (> rope). A region
 holding at least ``decide`` of the posterior (the paper: 95%) fills the table with
 + (row better), - (row worse) or = (equivalent); otherwise "?".
+
+Besides final and best accuracy, the metric can be what network studies ask: emulated
+time, MB uploaded or rounds to a target accuracy (``TARGET_METRICS``; lower is better),
+read from each run's curve. A run that never reached the target has no such figure: by
+default the comparison refuses and names it; ``unreached="drop"`` leaves its pair out,
+``unreached="budget"`` counts what it spent in all (a lower bound on its true figure).
 """
 from __future__ import annotations
 
@@ -23,14 +29,23 @@ from . import config as configuration
 from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
-from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, flat, is_sweep, load_record, load_run, load_sweep
+from .results import (ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, Run, flat, is_sweep, load_record, load_run,
+                      load_sweep, time_to_target)
 
 
 class CompareError(ValueError):
     """Runs that cannot be compared; the message says why and what to do."""
 
 
-METRICS = ("final_accuracy", "best_accuracy")
+ACCURACY_METRICS = ("final_accuracy", "best_accuracy")
+# metric -> (the curve's x attribute, what it is, its unit): lower is better.
+TARGET_METRICS = {
+    "time_to_target": ("emulated_s", "emulated time to {target}", "s"),
+    "bytes_to_target": ("mb_up", "MB uploaded to {target}", "MB"),
+    "rounds_to_target": ("rounds", "rounds to {target}", "rounds"),
+}
+METRICS = (*ACCURACY_METRICS, *TARGET_METRICS)
+UNREACHED = ("error", "drop", "budget")
 
 
 @dataclass
@@ -47,6 +62,7 @@ class Result:
     df: float
     n: int
     runs: int
+    rope: float = 0.01  # in the metric's unit
 
 
 def collect(paths: list[str | Path], where: list[str] = ()) -> list[Run]:
@@ -83,11 +99,41 @@ def _same(value, raw: str) -> bool:
     return value == parsed
 
 
-def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple, float]], int, int]:
+def metric_value(run: Run, metric: str, target: float | None, unreached: str = "error") -> float | None:
+    """A run's figure for ``metric``: from its summary (accuracy), or its curve (to a
+    target; None for a run that never reached it, with ``unreached="drop"``)."""
+    if metric in ACCURACY_METRICS:
+        value = (run.summary or {}).get(metric)
+        if value is None:
+            raise CompareError(f"{run.path}: summary.json has no {metric}")
+        return float(value)
+    attr = TARGET_METRICS[metric][0]
+    if not len(run.curve):
+        raise CompareError(f"{run.path}: no evaluations to read {metric} from (a run record keeps no curve)")
+    x = getattr(run.curve, attr)
+    value = time_to_target(x, run.curve.accuracy, target)
+    if value is not None:
+        return value
+    if unreached == "budget":
+        return float(x[-1])
+    if unreached == "drop":
+        return None
+    raise CompareError(f"{run.path} never reached {target * 100:g}% accuracy (best {run.curve.accuracy.max() * 100:.2f}%), "
+                       f"so it has no {metric}; lower --target, or say how to count it: --unreached drop "
+                       "(leave its pair out) or --unreached budget (what it spent in all: a lower bound)")
+
+
+def paired(runs: list[Run], by: str, metric: str, target: float | None = None,
+           unreached: str = "error") -> tuple[dict[str, dict[tuple, float]], int, int]:
     """{group: {(seed, fold): metric}}, repetitions, folds. Refuses groups whose runs
     differ in anything but the repetition keys, naming the key."""
     if metric not in METRICS:
         raise CompareError(f"--metric {metric!r}: choose one of {', '.join(METRICS)}")
+    if metric in TARGET_METRICS and not (target and 0 < target <= 1):
+        raise CompareError(f"--metric {metric} needs a target accuracy in (0, 1]: give --target (a sweep's "
+                           "sweep.target or the runs' run.target_accuracy serve when set)")
+    if unreached not in UNREACHED:
+        raise CompareError(f"--unreached {unreached!r}: choose one of {', '.join(UNREACHED)}")
     skipped = [r for r in runs if r.status != "completed"]
     runs = [r for r in runs if r.status == "completed"]
     if not runs:
@@ -105,7 +151,7 @@ def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple,
         ineffective = set.intersection(*(configuration.ineffective_keys(r.config) for r in members))
         for key in flats[0].keys() | set().union(*flats):
             if (key in REPEAT_KEYS or key == by or key in ineffective
-                    or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir")):
+                    or key in ("run.out", "run.workers", "run.torch_threads", "data.cache_dir", *VIEW_KEYS)):
                 continue
             values = {json.dumps(f.get(key), sort_keys=True) for f in flats}
             if len(values) > 1:
@@ -117,11 +163,13 @@ def paired(runs: list[Run], by: str, metric: str) -> tuple[dict[str, dict[tuple,
             rep = (f.get("run.seed"), f.get("data.fold", 0))
             if rep in cells:
                 raise CompareError(f"two {name} runs have seed {rep[0]} and fold {rep[1]}: {r.path}")
-            value = (r.summary or {}).get(metric)
-            if value is None:
-                raise CompareError(f"{r.path}: summary.json has no {metric}")
-            cells[rep] = float(value)
+            value = metric_value(r, metric, target, unreached)
+            if value is not None:
+                cells[rep] = value
         out[name] = cells
+    if unreached == "drop":  # a pair counts only where every group reached the target
+        common = set.intersection(*(set(c) for c in out.values()))
+        out = {name: {k: v for k, v in cells.items() if k in common} for name, cells in out.items()}
     keys = [set(c) for c in out.values()]
     common = set.intersection(*keys)
     if keys and any(k != common for k in keys):
@@ -166,10 +214,15 @@ def test(x: np.ndarray, y: np.ndarray, rope: float, runs: int) -> tuple[float, f
 
 
 def compare(runs: list[Run], by: str = ALGORITHM_KEY, metric: str = "final_accuracy",
-            rope: float = 0.01) -> tuple[list[Result], list[str], str]:
-    """Every pair of groups; returns (results, group names, a note on the design)."""
-    groups, reps, folds = paired(runs, by, metric)
+            rope: float | None = 0.01, target: float | None = None,
+            unreached: str = "error") -> tuple[list[Result], list[str], str]:
+    """Every pair of groups; returns (results, group names, a note on the design).
+    ``rope`` is in the metric's unit; None: 0.01 for accuracy, else 1% of the mean."""
+    groups, reps, folds = paired(runs, by, metric, target, unreached)
     names = list(groups)
+    if rope is None:
+        values = [v for cells in groups.values() for v in cells.values()]
+        rope = 0.01 if metric in ACCURACY_METRICS else 0.01 * abs(float(np.mean(values)))
     if folds >= 2:
         runs_arg = reps
         note = f"{reps} repetition(s) of {folds}-fold cross-validation"
@@ -185,8 +238,10 @@ def compare(runs: list[Run], by: str = ALGORITHM_KEY, metric: str = "final_accur
         x = np.array([groups[a][k] for k in order])
         y = np.array([groups[b][k] for k in order])
         pa, pr, pb, post = test(x, y, rope, runs_arg)
+        if metric in TARGET_METRICS:  # lower is better: left of the rope is where B is better
+            pa, pb = pb, pa
         results.append(Result(a, b, float(x.mean()), float(y.mean()), pa, pr, pb, float(post.mean),
-                              float(post.var), float(post.df), len(order), runs_arg))
+                              float(post.var), float(post.df), len(order), runs_arg, rope))
     return results, names, note
 
 
@@ -214,20 +269,44 @@ def _label(name: str) -> str:
     return algorithm_label(name)
 
 
-def probability_rows(results: list[Result], metric: str) -> tuple[list[str], list[list[str]]]:
-    head = ["A", "B", f"mean {metric.replace('_', ' ')} A (%)", "B (%)", "P(A better)", "P(equivalent)",
+def describe(metric: str, target: float | None = None) -> tuple[str, str, float]:
+    """(what the metric is, in words; its unit in tables; the factor from its values to that unit)."""
+    if metric in TARGET_METRICS:
+        _, what, unit = TARGET_METRICS[metric]
+        return what.format(target=f"{target * 100:g}%"), unit, 1.0
+    return metric.replace("_", " "), "%", 100.0
+
+
+def probability_rows(results: list[Result], metric: str, target: float | None = None) -> tuple[list[str], list[list[str]]]:
+    what, unit, scale = describe(metric, target)
+    head = ["A", "B", f"mean {what} A ({unit})", f"B ({unit})", "P(A better)", "P(equivalent)",
             "P(B better)", "paired runs"]
-    rows = [[_label(r.a), _label(r.b), f"{r.mean_a * 100:.2f}", f"{r.mean_b * 100:.2f}", f"{r.p_a:.3f}",
+    rows = [[_label(r.a), _label(r.b), f"{r.mean_a * scale:.2f}", f"{r.mean_b * scale:.2f}", f"{r.p_a:.3f}",
              f"{r.p_rope:.3f}", f"{r.p_b:.3f}", str(r.n)] for r in results]
     return head, rows
 
 
-def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png", "svg")) -> list[Path]:
+def ranking(results: list[Result], names: list[str], metric: str, target: float | None = None) -> str:
+    """The groups by their mean, best first."""
+    means = {}
+    for r in results:
+        means[r.a], means[r.b] = r.mean_a, r.mean_b
+    what, unit, scale = describe(metric, target)
+    lower = metric in TARGET_METRICS
+    order = sorted(names, key=lambda n: means[n] if lower else -means[n])
+    return (f"Ranked by mean {what} ({'lower' if lower else 'higher'} is better): "
+            + ", ".join(f"{_label(n)} {means[n] * scale:.2f} {unit}" for n in order) + ".")
+
+
+def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png", "svg"),
+                    metric: str = "final_accuracy", target: float | None = None) -> list[Path]:
     """One panel per pair, as the paper's Figure 3: the posterior of B - A in
     percentage points, the rope between two lines, the three probabilities."""
     from scipy import stats
 
     plt = pyplot()
+    what, unit, factor = describe(metric, target)
+    unit_words = "percentage points" if unit == "%" else unit
     n = len(results)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -241,57 +320,81 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
         xs = np.linspace(lo, hi, 400)
         if scale:
             ys = stats.t.pdf(xs, r.df, r.mean, scale)
-            ax.plot(xs * 100, ys / 100, color="#2f56e0", linewidth=1.8)
-            ax.fill_between(xs * 100, ys / 100, color="#34ccff", alpha=0.5)
+            ax.plot(xs * factor, ys / factor, color="#2f56e0", linewidth=1.8)
+            ax.fill_between(xs * factor, ys / factor, color="#34ccff", alpha=0.5)
         else:  # every paired difference equal: the posterior is a point
-            ax.axvline(r.mean * 100, color="#2f56e0", linewidth=2)
+            ax.axvline(r.mean * factor, color="#2f56e0", linewidth=2)
         for edge in (-rope, rope):
-            ax.axvline(edge * 100, color="#ff8c00", linewidth=1.5, linestyle="--")
-        ax.set_xlabel(f"accuracy difference {_label(r.b)} − {_label(r.a)} (percentage points)")
-        ax.set_ylabel("posterior density (per point)")
+            ax.axvline(edge * factor, color="#ff8c00", linewidth=1.5, linestyle="--")
+        ax.set_xlabel(f"{what} difference {_label(r.b)} − {_label(r.a)} ({unit_words})")
+        ax.set_ylabel(f"posterior density (per {'point' if unit == '%' else unit})")
         ax.set_title(f"{_label(r.a)} vs {_label(r.b)}")
-        right = r.mean < (lo + hi) / 2  # the box goes on the side away from the posterior's mass
+        # A lower time is better: B better lies left of the rope; the box goes away from the mass.
+        right = r.mean < (lo + hi) / 2
         ax.text(0.98 if right else 0.02, 0.97, f"P({_label(r.a)} better) = {r.p_a:.3f}\nP(equivalent) = {r.p_rope:.3f}\n"
                 f"P({_label(r.b)} better) = {r.p_b:.3f}", transform=ax.transAxes, va="top",
                 ha="right" if right else "left", fontsize=8.5,
                 bbox=dict(boxstyle="round", facecolor="white", alpha=0.85, edgecolor="#bbbbbb"))
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"Posterior of the mean accuracy difference (dashed: rope ±{rope * 100:g} point"
-                 f"{'s' if rope * 100 != 1 else ''})")
+    fig.suptitle(f"Posterior of the mean difference in {what} (dashed: rope ±{rope * factor:.3g} "
+                 f"{'point' + ('s' if rope * factor != 1 else '') if unit == '%' else unit})")
     paths = save_figure(fig, out, "posteriors", formats)
     plt.close(fig)
     return paths
 
 
 def render(results: list[Result], names: list[str], note: str, by: str, metric: str, rope: float,
-           decide: float) -> str:
-    head, rows = probability_rows(results, metric)
+           decide: float, target: float | None = None) -> str:
+    head, rows = probability_rows(results, metric, target)
     thead, trows = table(results, names, decide)
+    what, unit, _ = describe(metric, target)
     return "\n".join([
-        f"Bayesian correlated t-test on {metric.replace('_', ' ')} by {short(by)}: {note}; "
-        f"rope ±{rope:g} (accuracy), decided at {decide:g}.", "",
+        f"Bayesian correlated t-test on {what} by {short(by)}: {note}; "
+        f"rope ±{rope:.4g} ({'accuracy' if unit == '%' else unit}), decided at {decide:g}.", "",
         markdown_table(head, rows), "",
         f"Row against column: + better, - worse, = practically equivalent (a region holds >= {decide:g} "
         "of the posterior), ? undecided.", "",
-        markdown_table(thead, trows),
+        markdown_table(thead, trows), "",
+        ranking(results, names, metric, target),
     ])
 
 
-def run(paths: list[str | Path], *, by: str = ALGORITHM_KEY, metric: str = "final_accuracy", rope: float = 0.01,
-        decide: float = 0.95, where: list[str] = (), out: str | Path | None = None,
-        formats=("png", "svg")) -> tuple[str, Path]:
-    if not 0 <= rope < 1:
-        raise CompareError(f"--rope {rope} must be in [0, 1) (accuracy units: 0.01 is one point)")
+def run(paths: list[str | Path], *, by: str = ALGORITHM_KEY, metric: str = "final_accuracy",
+        rope: float | None = None, decide: float = 0.95, where: list[str] = (), out: str | Path | None = None,
+        formats=("png", "svg"), target: float | None = None, unreached: str = "error") -> tuple[str, Path]:
+    """compare.md and the posterior plots for the runs in ``paths``; returns (text, folder).
+    ``rope`` in the metric's unit (None: 0.01 accuracy, or 1% of the mean time or bytes);
+    ``target``: the accuracy of a *_to_target metric (None: the sweep's, or the runs'
+    run.target_accuracy)."""
+    if rope is not None and (rope < 0 or metric in ACCURACY_METRICS and rope >= 1):
+        raise CompareError(f"--rope {rope} must be >= 0 (in the metric's unit; accuracy: below 1, 0.01 is one point)")
     if not 0.5 < decide <= 1:
         raise CompareError(f"--decide {decide} must be in (0.5, 1]")
-    results, names, note = compare(collect(paths, where), by, metric, rope)
-    text = render(results, names, note, by, metric, rope, decide)
+    if target is None and metric in TARGET_METRICS:
+        target = _default_target(paths)
+    results, names, note = compare(collect(paths, where), by, metric, rope, target, unreached)
+    rope = results[0].rope
+    text = render(results, names, note, by, metric, rope, decide, target)
     if out is None:
         first = Path(paths[0])
         out = first / "compare" if is_sweep(first) else Path("compare")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    figures = plot_posteriors(results, rope, out, formats)
+    figures = plot_posteriors(results, rope, out, formats, metric, target)
     pngs = [f"![posteriors]({p.name})" for p in figures if p.suffix == ".png"]
     (out / "compare.md").write_text("# fedemu compare\n\n" + text + "\n\n" + "\n".join(pngs) + "\n")
     return text, out
+
+
+def _default_target(paths: list[str | Path]) -> float | None:
+    """The first sweep's target, else the first run's run.target_accuracy (0: none)."""
+    for p in map(Path, paths):
+        if is_sweep(p):
+            target = load_sweep(p).target
+        elif (p / "config.toml").exists():
+            target = load_run(p).config.get("run", {}).get("target_accuracy", 0.0)
+        else:
+            continue
+        if target:
+            return float(target)
+    return None

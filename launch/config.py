@@ -34,10 +34,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "rounds": Key(int, "round limit", check=positive, rule="> 0"),
         "target_accuracy": Key(float, "stop once test accuracy reaches this (0: never)", check=unit_interval, rule="in [0, 1]"),
         "eval_every": Key(int, "evaluate the global model every this many rounds", check=positive, rule="> 0"),
-        "client_log": Key(str, "per-client detail of each round: 'events' lists the clients in the round event; "
-                          "'csv' counts them there and writes a row per client to clients.csv; 'auto' lists "
-                          "rounds of up to 100 selected clients and writes larger ones to clients.csv",
-                          choices=("auto", "events", "csv")),
+        "client_log": Key(str, "which round events list their clients (clients.csv always has a row per "
+                          "selected client): 'events' every round's; 'csv' none, only counts; 'auto' rounds of up "
+                          "to 100 selected clients", choices=("auto", "events", "csv")),
+        "timeline": Key(str, "timeline.csv, every transfer, computation and device switch in emulated time "
+                        "(fedemu report --timeline draws it): 'all' or 'off'", choices=("all", "off")),
+        "tensorboard": Key(bool, "write TensorBoard event files (tensorboard/ in the run directory) as the run goes: "
+                           "accuracy, loss, participation by outcome, round duration, bytes, and the config"),
         "out": Key(str, "folder under which run directories are made"),
         "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=non_negative, rule=">= 0"),
         "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=non_negative, rule=">= 0"),
@@ -454,6 +457,7 @@ def server_settings(config: dict, workers: int, device: str):
         compression=compression.to_dict() if compression.compresses else None,
         over_select=algo["over_select"], on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
         merge_s=algo["merge_s"], client_log=run["client_log"], device=device, aggregation=run["aggregation"],
+        timeline=run["timeline"], stragglers=network_parts(config)[1],
     )
 
 

@@ -31,12 +31,20 @@ def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], No
 
 
 def launch(config_path: str | None, overrides: list[str], out: str | None, workers: int | None,
-           echo: Callable[[str], None] = print, machines=None, values: dict | None = None) -> tuple[Path, dict]:
+           echo: Callable[[str], None] = print, machines=None, values: dict | None = None,
+           live: bool = False) -> tuple[Path, dict]:
     """Run one configuration, on this machine or with worker nodes on ``machines``
-    (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary)."""
+    (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary).
+    ``live``: a progress bar on a terminal (progress.RunProgress), the lines above it."""
     from fedemu.worker.ml import data
 
     config = configuration.load(config_path, overrides, values)
+    progress = None
+    if live:
+        from .progress import RunProgress
+
+        progress = RunProgress(config["run"]["rounds"])
+        echo = progress.echo
     if workers is not None:
         config["run"]["workers"] = workers
     workers = config["run"]["workers"] or os.cpu_count() or 1
@@ -47,6 +55,8 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
         try:
             run = open_run(config, run_dir, workers, echo, machines,
                            default_slots=workers if config["run"]["workers"] else None)
+            if progress is not None:
+                run.on_event = progress.event
 
             def prepare() -> None:
                 write_run_file(run_dir / "config.toml", configuration.to_toml(config))
@@ -57,6 +67,8 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
         finally:
             lock.close()
     finally:
+        if progress is not None:
+            progress.close()
         restore_signals(previous)
 
 

@@ -64,6 +64,15 @@ def stop_reason(signum: int) -> str:
             signal.SIGHUP: "hung up (SIGHUP: the terminal or session closed)"}.get(signum, f"stopped by {name}")
 
 
+def interrupted_exit_code(reason: str | None, signum: int | None = None) -> int:
+    """The exit code of a launch or sweep a stop signal ended: 128 + the signal's number,
+    as a shell reports a process the signal killed (130 for Ctrl-C); the signal is
+    ``signum``, else the one a summary's reason names, else SIGINT."""
+    if signum is None:
+        signum = next((sig for sig in STOP_SIGNALS if signal.Signals(sig).name in (reason or "")), signal.SIGINT)
+    return 128 + int(signum)
+
+
 def child_env() -> dict:
     """The environment for a process this launcher starts: it names the launcher, so the
     child can tell whether its launcher is still there (die_with_parent)."""

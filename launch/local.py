@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fedemu.server.runlog import EVENTS, RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
+from fedemu.server.runlog import RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
 
 from . import config as configuration
 from .lifecycle import child_env, describe_exit, stop_reason
+from .progress import EventTail
 from .rundir import LaunchError, write_run_file
 
 # The nodes that may steer a run at its broker (shut it down, announce rounds, change the
@@ -28,16 +29,18 @@ TOKEN_FILE = "run.token"
 class LocalRun:
     """The OS processes of one run on this machine."""
 
-    def __init__(self, config: dict, run_dir: Path, workers: int, echo: Callable[[str], None] = print):
+    def __init__(self, config: dict, run_dir: Path, workers: int, echo: Callable[[str], None] = print,
+                 on_event: Callable[[dict], None] | None = None):
         self.config = config
         self.run_dir = run_dir
         self.workers = workers
         self.echo = echo
+        self.on_event = on_event  # each event as it is printed (the progress bar)
         self.procs: dict[str, subprocess.Popen] = {}
         self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
         self.token_file: Path | None = None  # the run's token, which every node's hello carries
         self.socket_dir: Path | None = None  # where a local run's broker listens (mode 0700)
-        self._events_offset = 0
+        self._events = EventTail(run_dir)
         self.broker_died: str | None = None  # how the broker process ended, if before the server
         self.interrupted_by: int | None = None  # the stop signal (or Ctrl-C) this launcher got
 
@@ -159,17 +162,10 @@ class LocalRun:
         """Report a lost host; a hook for runs with nodes on other machines."""
 
     def _print_new_events(self) -> None:
-        path = self.run_dir / EVENTS
-        if not path.exists():
-            return
-        with open(path, encoding="utf-8") as f:
-            f.seek(self._events_offset)
-            while True:
-                line = f.readline()
-                if not line.endswith("\n"):
-                    break
-                self._events_offset = f.tell()
-                self.echo(format_event(json.loads(line), self.config["run"]["rounds"]))
+        for event in self._events.new():
+            self.echo(format_event(event, self.config["run"]["rounds"]))
+            if self.on_event is not None:
+                self.on_event(event)
 
     def summary(self) -> dict:
         path = self.run_dir / SUMMARY
@@ -185,7 +181,10 @@ class LocalRun:
                 return {"status": "failed", "reason": "the server node did not finish"}
             # The server node died (killed, crashed) or never started: record that in the
             # run directory too, so tools that read summary.json see a failed run.
-            if server is None and self.interrupted_by is not None:
+            if self.interrupted_by is not None and (server is None or server.returncode in (
+                    -self.interrupted_by, 1, 128 + self.interrupted_by)):
+                # Stopped before its server could write a summary (still starting up: the
+                # signal's default action ended it): interrupted, as the sweep's index says.
                 summary = {"status": "interrupted",
                            "reason": f"{stop_reason(self.interrupted_by)}, before the run started"}
             else:
@@ -256,11 +255,24 @@ def format_event(event: dict, rounds: int) -> str:
         acc = "   -  " if event.get("accuracy") is None else f"{event['accuracy']:.4f}"
         loss = "  -   " if event.get("loss") is None else f"{event['loss']:.4f}"
         emulated = event.get("emulated_s")
-        return (f"round {event['round']:4d}/{rounds}  acc {acc}  loss {loss}  "
-                f"clients {event['participants']:3d}  up {event['bytes_up'] / 1e6:7.2f} MB  "
+        if "merges" in event:  # an asynchronous rule's evaluation: uploads, not rounds
+            low, high = event.get("staleness_min"), event.get("staleness_max")
+            who = (f"uploads {event['uploads']:3d}  merges {event['merges']:3d}  "
+                   + (f"staleness {low}-{high}  " if low is not None else ""))
+            head = f"eval  {event['round']:4d}/{rounds}"
+        else:
+            who = _participation(event)
+            head = f"round {event['round']:4d}/{rounds}"
+        duration = event.get("round_emulated_s")
+        return (f"{head}  acc {acc}  loss {loss}  {who}up {event['bytes_up'] / 1e6:7.2f} MB  "
+                + (f"took {duration:6.1f}s  " if duration is not None else "")
                 + (f"emulated {emulated:8.1f}s  " if emulated is not None else "")
                 + f"wall {event['t']:6.1f}s")
     if kind == "start":
+        if "eval_every_uploads" in event:
+            return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), asynchronous "
+                    f"({event.get('algorithm')}): an evaluation every {event['eval_every_uploads']} uploads, "
+                    f"{event.get('clock', 'wall')} clock")
         return (f"start: {event['clients']} clients on {len(event['placement'])} worker node(s), "
                 f"{event['per_round']} per round, {event.get('clock', 'wall')} clock")
     if kind == "hint":
@@ -270,5 +282,20 @@ def format_event(event: dict, rounds: int) -> str:
             return f"fault: client {event['client']} in round {event['round']}: {event['reason']}"
         return f"fault: client {event['client']} lost in round {event['round']} ({event['reason']})"
     if kind == "end":
-        return f"end: {event['status']} after {event['rounds']} rounds ({event['reason']})"
+        done = (f"{event['evaluations']} evaluations ({event.get('uploads')} uploads)" if "evaluations" in event
+                else f"{event['rounds']} rounds")
+        return f"end: {event['status']} after {done} ({event['reason']})"
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
+
+
+def _participation(event: dict) -> str:
+    """A round's selected clients by what happened to them (as the emulator knows it)."""
+    counts = event.get("outcome_counts")
+    if counts is None:  # a log written before the outcomes were recorded
+        return f"clients {event['participants']:3d}  "
+    text = (f"answered {counts['answered']:3d}  straggled {counts['straggler']:3d}  "
+            f"offline {counts['offline']:3d}  ")
+    for name, label in (("failed_transfer", "lost in transfer"), ("dropped", "dropped"), ("discarded", "discarded")):
+        if counts.get(name):
+            text += f"{label} {counts[name]}  "
+    return text

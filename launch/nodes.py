@@ -151,6 +151,12 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
     settings = server_settings(config, workers, str(device))
     runlog = RunLog(run_dir)
+    tensorboard = None
+    if config["run"]["tensorboard"]:
+        from fedemu.server.tensorboard import TensorBoardLog
+
+        tensorboard = TensorBoardLog(run_dir, (run_dir / "config.toml").read_text())
+        runlog.listeners.append(tensorboard.on_event)
     model = model_spec(config)
     if not rule.synchronous:
         engine = AsyncEngine(settings, rule, model, run_data, runlog,
@@ -194,6 +200,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     while not result:  # the engine writes its summary even when the node closed
         time.sleep(0.1)
     runlog.close()
+    if tensorboard is not None:
+        tensorboard.close()
     # A launcher killed outright took the broker with it (and each node has its own
     # parent-death signal): asking a dead broker to stop the nodes would only wait.
     if not node.closed.is_set() and not parent_died():

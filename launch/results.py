@@ -21,12 +21,15 @@ import numpy as np
 
 from fedemu.server.runlog import EVENTS, SUMMARY, read_events
 
-# What a run curve can be drawn against: (attribute, axis label, file stem, what).
+# What a run curve can be drawn against: (attribute, axis label, file stem, what); the
+# rounds' label fits the runs drawn (x_label).
 X_AXES = (
-    ("rounds", "round (asynchronous rules: evaluation)", "rounds", "rounds"),
+    ("rounds", "round", "rounds", "rounds"),
     ("emulated_s", "emulated time since the first round began (s)", "emulated-time", "emulated time"),
     ("mb_up", "uploaded by clients (MB, 10^6 bytes)", "uploaded", "bytes uploaded"),
 )
+# Keys that change what a run writes, not what it does.
+VIEW_KEYS = ("run.tensorboard", "run.timeline", "run.client_log")
 # Axes whose values are repetitions, not conditions: averaged over in sweep figures.
 REPEAT_KEYS = ("run.seed", "data.fold")
 ALGORITHM_KEY = "algorithm.name"
@@ -45,9 +48,42 @@ class Curve:
     emulated_s: np.ndarray
     mb_up: np.ndarray
     accuracy: np.ndarray
+    loss: np.ndarray = field(default_factory=lambda: np.zeros(0))  # test loss (NaN where not logged)
 
     def __len__(self) -> int:
         return len(self.accuracy)
+
+
+@dataclass
+class RoundSeries:
+    """Every round of a run, evaluated or not: how long it took (emulated) and what
+    happened to its selected clients (outcome counts; empty for asynchronous rules and
+    logs written before outcomes were recorded)."""
+
+    rounds: np.ndarray
+    duration_s: np.ndarray  # NaN where not logged
+    outcomes: dict[str, np.ndarray]
+
+
+def round_series(events: list[dict]) -> RoundSeries:
+    rounds = [e for e in events if e.get("event") == "round"]
+    counted = [e for e in rounds if e.get("outcome_counts")]
+    names = list(dict.fromkeys(k for e in counted for k in e["outcome_counts"]))
+    outcomes = {n: np.array([e["outcome_counts"].get(n, 0) for e in counted], dtype=float) for n in names} \
+        if len(counted) == len(rounds) else {}
+    return RoundSeries(np.array([e["round"] for e in rounds], dtype=float),
+                       np.array([e.get("round_emulated_s", math.nan) for e in rounds], dtype=float), outcomes)
+
+
+def x_label(attr: str, runs: list) -> str:
+    """An axis label for ``attr``; for rounds, as the runs drawn count them (asynchronous
+    rules evaluate every so many uploads instead)."""
+    label = next(label for a, label, *_ in X_AXES if a == attr)
+    if attr != "rounds":
+        return label
+    kinds = {r.synchronous for r in runs}
+    return {frozenset({True}): "round", frozenset({False}): "evaluation"}.get(
+        frozenset(kinds), "round (asynchronous rules: evaluation)")
 
 
 def emulated_origin(events: list[dict], time_scale: float = 1.0) -> float:
@@ -74,9 +110,11 @@ def curve(events: list[dict], time_scale: float = 1.0) -> Curve:
         mb += e.get("bytes_up", 0) / 1e6
         if e.get("accuracy") is None:
             continue
-        xs.append((e["round"], max(0.0, e.get("emulated_s", math.nan) - origin), mb, e["accuracy"]))
-    arr = np.array(xs, dtype=float).reshape(-1, 4)
-    return Curve(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
+        loss = e.get("loss")
+        xs.append((e["round"], max(0.0, e.get("emulated_s", math.nan) - origin), mb, e["accuracy"],
+                   math.nan if loss is None else loss))
+    arr = np.array(xs, dtype=float).reshape(-1, 5)
+    return Curve(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4])
 
 
 def best_so_far(accuracy: np.ndarray) -> np.ndarray:
@@ -112,6 +150,17 @@ class Run:
     summary: dict | None
     curve: Curve
     params: dict = field(default_factory=dict)  # a sweep point's axis values
+    series: RoundSeries | None = None  # every round (None: a run record, no event log)
+
+    @property
+    def synchronous(self) -> bool:
+        """Round-based (else an asynchronous rule, whose "rounds" are evaluations)."""
+        from fedemu.server.algorithm import UnknownAlgorithm, get
+
+        try:
+            return get(self.algorithm).synchronous
+        except UnknownAlgorithm:
+            return True
 
     @property
     def status(self) -> str:
@@ -158,7 +207,7 @@ def load_run(path: str | Path, params: dict | None = None) -> Run:
     summary = json.loads((path / SUMMARY).read_text()) if (path / SUMMARY).exists() else None
     scale = config.get("run", {}).get("time_scale", 1.0)
     events = read_events(path) if (path / EVENTS).exists() else []
-    return Run(path, config, summary, curve(events, scale), dict(params or {}))
+    return Run(path, config, summary, curve(events, scale), dict(params or {}), round_series(events))
 
 
 def load_record(path: str | Path) -> Run:
@@ -191,7 +240,7 @@ def differing_keys(configs: list[dict]) -> list[str]:
     """Config keys whose values are not the same in every config (in config order)."""
     flats = [flat(c) for c in configs]
     keys = list(dict.fromkeys(k for f in flats for k in f))
-    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir"}
+    ignore = {"run.out", "run.workers", "run.torch_threads", "data.cache_dir", *VIEW_KEYS}
     return [k for k in keys if k not in ignore and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
 
 

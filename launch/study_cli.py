@@ -64,12 +64,14 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
                                      points_per_task=points_per_task, wait=wait, echo=click.echo, dry_run=dry_run)
         else:
             counts = run_sweep(spec, parallel=parallel, workers_per_point=workers_per_point, machines=machines,
-                               echo=click.echo, dry_run=dry_run)
+                               echo=click.echo, dry_run=dry_run, live=True)
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from .lifecycle import interrupted_exit_code
+
         click.echo("sweep interrupted; run the same command again to resume it")
-        sys.exit(130)
+        sys.exit(interrupted_exit_code(None, getattr(exc, "signum", None)))
     if dry_run:
         return
     click.echo("sweep: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
@@ -92,8 +94,16 @@ def sweep_task(folder: Path) -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: SWEEP/report, or ./report).")
 @click.option("--target", type=float, help="Accuracy for time to target, e.g. 0.9 (default: the sweep's or run's).")
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Figure formats, comma-separated.")
-def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str) -> None:
-    """Plots and a Markdown table for runs (finished or not) and sweeps."""
+@click.option("--timeline", is_flag=True,
+              help="Draw the run's timeline instead: a Gantt figure of each selected client's download, compute, "
+                   "upload and offline time (one run).")
+@click.option("--rounds", metavar="R", help="With --timeline: the rounds to draw, e.g. 3, 2-5 or 1,4 (default: the first three).")
+@click.option("--clients", "max_clients", type=int, default=40, show_default=True,
+              help="With --timeline: at most this many clients (rows).")
+def report(paths: tuple[str, ...], out: str | None, target: float | None, formats: str, timeline: bool,
+           rounds: str | None, max_clients: int) -> None:
+    """Plots and a Markdown table for runs (finished or not) and sweeps; with --timeline,
+    a run's Gantt figure."""
     from .report import report as make_report
     from .results import ReportError
 
@@ -103,7 +113,19 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
     bad = set(kinds) - {"png", "svg", "pdf"}
     if bad or not kinds:
         raise click.ClickException(f"--format: choose among png, svg, pdf (got {formats!r})")
+    if not timeline and (rounds or max_clients != 40):
+        raise click.UsageError("--rounds and --clients go with --timeline")
     try:
+        if timeline:
+            from .report_timeline import plot_gantt
+
+            if len(paths) != 1:
+                raise click.UsageError("--timeline draws one run: give one run directory")
+            folder = Path(out) if out else Path(paths[0]) / "report"
+            folder.mkdir(parents=True, exist_ok=True)
+            figures = plot_gantt(paths[0], folder, rounds, max_clients, kinds)
+            click.echo("timeline: " + ", ".join(str(p) for p in figures))
+            return
         folder = make_report(list(paths), out, target, kinds)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
@@ -114,13 +136,22 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("--by", default="algorithm.name", show_default=True, help="Config key whose values are compared.")
 @click.option("--metric", default="final_accuracy", show_default=True,
-              type=click.Choice(["final_accuracy", "best_accuracy"]))
-@click.option("--rope", default=0.01, show_default=True, help="Region of practical equivalence, in accuracy (0.01 = 1 point).")
+              type=click.Choice(["final_accuracy", "best_accuracy", "time_to_target", "bytes_to_target",
+                                 "rounds_to_target"]),
+              help="What is compared; *_to_target: emulated seconds, MB uploaded or rounds to --target accuracy "
+                   "(lower is better).")
+@click.option("--target", type=float, help="Accuracy for *_to_target (default: the sweep's target, or run.target_accuracy).")
+@click.option("--unreached", default="error", show_default=True, type=click.Choice(["error", "drop", "budget"]),
+              help="A run that never reached --target: refuse, naming it (error); leave its pair out (drop); or "
+                   "count what it spent in all, a lower bound (budget).")
+@click.option("--rope", type=float,
+              help="Region of practical equivalence, in the metric's unit (default: 0.01 = 1 point of accuracy; "
+                   "1% of the mean for *_to_target).")
 @click.option("--decide", default=0.95, show_default=True, help="Posterior mass a region needs for +, - or =.")
 @click.option("--where", multiple=True, metavar="SECTION.KEY=VALUE", help="Only runs with this config value.")
 @click.option("--out", type=click.Path(file_okay=False), help="Folder for compare.md and the posterior plots.")
-def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: float, where: tuple[str, ...],
-            out: str | None) -> None:
+def compare(paths: tuple[str, ...], by: str, metric: str, target: float | None, unreached: str, rope: float | None,
+            decide: float, where: tuple[str, ...], out: str | None) -> None:
     """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps,
     run directories or run records: the .json files bench/nilsson_table1.py keeps), paired
     by seed and fold, as Nilsson et al. 2018 did."""
@@ -128,7 +159,8 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
     from .results import ReportError
 
     try:
-        text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out)
+        text, folder = run(list(paths), by=by, metric=metric, rope=rope, decide=decide, where=list(where), out=out,
+                           target=target, unreached=unreached)
     except (CompareError, ReportError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(text)
@@ -138,12 +170,29 @@ def compare(paths: tuple[str, ...], by: str, metric: str, rope: float, decide: f
 @click.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True,
-              help="CSV file to write ('-': standard output).")
-def export(paths: tuple[str, ...], output: str) -> None:
+              help="File to write ('-': standard output).")
+@click.option("--trace", is_flag=True,
+              help="Write one run's timeline as Chrome trace JSON instead (Perfetto, chrome://tracing): a track "
+                   "per client.")
+def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
     """One tidy table of runs and sweeps: a CSV row per evaluation, with each run's path,
-    status, algorithm and the keys that vary between runs (a sweep's axes)."""
+    status, algorithm and the keys that vary between runs (a sweep's axes). With
+    --trace, one run's timeline in the Chrome trace event format."""
     from .results import ReportError, evaluation_records, write_csv
 
+    if trace:
+        from .report_timeline import write_trace
+
+        if len(paths) != 1:
+            raise click.UsageError("--trace exports one run: give one run directory")
+        try:
+            with click.open_file(output, "w", encoding="utf-8") as out:
+                count = write_trace(paths[0], out)
+        except ReportError as exc:
+            raise click.ClickException(str(exc)) from None
+        if output != "-":
+            click.echo(f"{count} trace events -> {output} (open it in ui.perfetto.dev or chrome://tracing)", err=True)
+        return
     try:
         records = evaluation_records(list(paths))
     except ReportError as exc:

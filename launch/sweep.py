@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from .lifecycle import DirectoryInUse, DirLock
 from .sweep_index import DB_FILE, Index, now, summary_fields
 from .sweep_layout import Layout, plan
+from .progress import SweepProgress
 from .sweep_point import alive, run_point
 from .sweep_spec import Point, Spec, SweepError, expand
 
@@ -61,9 +62,10 @@ def _duration(s: float) -> str:
 
 def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int | None = None,
               machines: Machines | None = None, echo: Callable[[str], None] = print, dry_run: bool = False,
-              stop: threading.Event | None = None) -> dict:
+              stop: threading.Event | None = None, live: bool = False) -> dict:
     """Run every point of ``spec`` that has not completed, on this machine or with worker
-    nodes on ``machines``; returns counts by status."""
+    nodes on ``machines``; returns counts by status. ``live``: a progress bar per running
+    point where a terminal is attached."""
     points = expand(spec)
     layout = plan(spec, parallel, workers_per_point, machines)
     # Absolute: the nodes' command lines name it, which is how a resume finds them.
@@ -75,7 +77,11 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
         return {"points": len(points)}
     with opened(spec, points) as index:
         _recover(index, sweep_dir, spec.target, echo)
-        return _run(spec, points, index, sweep_dir, layout, echo, stop or threading.Event())
+        progress = SweepProgress(echo, bar=None if live else False)
+        try:
+            return _run(spec, points, index, sweep_dir, layout, progress, stop or threading.Event())
+        finally:
+            progress.close()
 
 
 @contextmanager
@@ -139,7 +145,8 @@ def _fetch_data(points: list[Point]) -> None:
 
 
 def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout: Layout,
-         echo, stop: threading.Event) -> dict:
+         progress_view: SweepProgress, stop: threading.Event) -> dict:
+    echo = progress_view.echo
     rows = index.rows()
     todo = [p for p in points if rows[p.id]["status"] != "completed"]
     progress = Progress(total=len(points), skipped=len(points) - len(todo))
@@ -162,6 +169,8 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                 hosts = free_hosts.pop(0) if layout.host_groups else None
                 running[p.id] = _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop)
                 echo(f"start  {p.id}  {progress.line(len(running), parallel)}")
+                progress_view.start(p.id, sweep_dir / "runs" / p.id, p.config["run"]["rounds"])
+            progress_view.poll()
             for pid, (thread, box, p) in list(running.items()):
                 if "pids" in box and not box.get("recorded"):
                     # Into the index as soon as the processes exist, so a sweep killed
@@ -171,6 +180,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                 if thread.is_alive():
                     continue
                 del running[pid]
+                progress_view.finish(pid)
                 if box["hosts"] is not None:
                     free_hosts.append(box["hosts"])
                 _finish(p, box, index, sweep_dir, spec.target, progress, stop, echo, len(running), parallel)
@@ -179,6 +189,9 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
             if time.monotonic() - last_line > 60:  # wall: a heartbeat while long points run
                 last_line = time.monotonic()  # wall
                 echo(f"       {progress.line(len(running), parallel)}")
+                if not progress_view.bars:
+                    for line in progress_view.lines():
+                        echo(line)
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop.set()

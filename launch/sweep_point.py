@@ -3,6 +3,7 @@ its run directory, with the launcher's output in logs/launch.out, interrupted wh
 sweep stops; and, for a sweep resumed after a kill, which of a point's processes still run."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: thread
                 if stop.is_set() and time.monotonic() - last > 2:  # wall
                     # The server writes an "interrupted" summary and stops the nodes. Again
                     # every 2 s: a server still starting up may not have its handler yet.
+                    run.interrupted_by = signal.SIGINT
                     run.interrupt()
                     asked, last = asked or time.monotonic(), time.monotonic()  # wall
                 if asked is not None and time.monotonic() - asked > 30:  # wall

@@ -31,13 +31,21 @@ def load(name: str, what: str, group: str, form: str, built_in: list[str]) -> An
             raise PluginNotFound(f"{what} {name!r}: module {module_name!r} has no {attr!r}") from None
     found = [ep for ep in metadata.entry_points(group=group) if ep.name == name]
     if not found:
-        raise PluginNotFound(f"unknown {what} {name!r}: fedemu has {', '.join(built_in)}; a plug-in is named "
-                             f"'package.module:{form}' or installed under the {group!r} entry points")
+        others = installed(group)
+        raise PluginNotFound(f"unknown {what} {name!r}: fedemu has {', '.join(built_in)}"
+                             + (f"; installed plug-ins: {', '.join(others)}" if others else "")
+                             + f"; a plug-in is named 'package.module:{form}' or installed under the {group!r} "
+                             "entry points")
     try:
         return found[0].load()
     except Exception as exc:
         raise PluginNotFound(f"{what} {name!r} (entry point {found[0].value!r}) failed to load: "
                              f"{type(exc).__name__}: {exc}") from None
+
+
+def installed(group: str) -> list[str]:
+    """The names installed packages give under the entry-point ``group``."""
+    return sorted({ep.name for ep in metadata.entry_points(group=group)})
 
 
 class Registry:
@@ -70,6 +78,10 @@ class Registry:
         ours = [(name, cls) for name, cls in self.classes.items()
                 if cls.__module__ in self.built_in_modules and cls.name == name]
         return dict(sorted(ours, key=lambda item: self.built_in_modules.index(item[1].__module__)))
+
+    def installed(self) -> list[str]:
+        """The plug-ins installed under this registry's entry points, by name."""
+        return installed(self.group)
 
     def find(self, name: str, register: Callable[[type], Any]) -> type:
         """The class ``name`` names, a built-in or a plug-in; a plug-in found the first time

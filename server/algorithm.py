@@ -94,6 +94,11 @@ def built_in() -> dict[str, type[Algorithm]]:
     return _registry.built_in()
 
 
+def installed() -> list[str]:
+    """The algorithms installed packages bring (the fedemu.algorithms entry points)."""
+    return _registry.installed()
+
+
 def get(name: str) -> type[Algorithm]:
     try:
         return _registry.find(name, register)

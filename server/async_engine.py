@@ -49,6 +49,8 @@ log = logging.getLogger("fedemu.server")
 
 
 class AsyncEngine(Engine):
+    synchronous = False
+
     def __init__(self, settings: Settings, rule: AsyncRule, model: ModelSpec, data: Data, runlog: RunLog,
                  lr: float, lr_decay: float = 0.0, on_deadlock: str = "stop"):
         super().__init__(settings, model, data, runlog)
@@ -145,6 +147,7 @@ class AsyncEngine(Engine):
     def _serve(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
         self._evaluation, self._merges, self._uploads_at_eval = 0, 0, 0
+        self._period_started = proc.now()  # emulated: when the evaluation period began
         self._period_uploads: list[int] = []
         last_progress = time.monotonic()  # wall
         while True:
@@ -192,6 +195,8 @@ class AsyncEngine(Engine):
         body = msg.body
         if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
             return None
+        if isinstance(body, Upload):  # the local work behind it, into the timeline
+            self.timeline.reply(self._evaluation + 1, body.client, body.started_s, body.ended_s, body.compute_s)
         if isinstance(body, WorkerReady):
             self._start_clients(proc, self._rejoin(proc, msg, self._evaluation))
         elif isinstance(body, Down):
@@ -327,7 +332,7 @@ class AsyncEngine(Engine):
 
     def _evaluation_event(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
         accuracy, loss = self._evaluate()
-        traffic, broker = self._traffic_since_last(proc)
+        traffic, broker, _ = self._traffic_since_last(proc, evaluation)
         self._record(evaluation, accuracy)
         staleness = [self.age - self.ages[k] for k in self.live]
         self.runlog.event(
@@ -336,10 +341,15 @@ class AsyncEngine(Engine):
             uploaders=sorted(set(uploaders)), **traffic,
             staleness_min=min(staleness, default=None), staleness_max=max(staleness, default=None),
             offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
+            round_emulated_s=round(proc.now() - self._period_started, 6),
             duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
             **({"age_requests": self.age_requests, "fetches": self.fetches} if self.rule.age_filter is not None else {}),
         )
         self.duplicates = self.starts_resent = self.age_requests = self.fetches = 0
+        now = proc.now()
+        self.timeline.round_span(evaluation, self._period_started, now, "evaluated")
+        self.timeline.flush()
+        self._period_started = now
         return self._finished(evaluation, accuracy)
 
     def waiting_for(self) -> str:

@@ -33,12 +33,14 @@ from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.worker import tasks
+from fedemu.worker.stragglers import StragglerGroups, StragglerSpec
 from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
                                     as_pid_map, update_problem)
 
 from .algorithm import aggregation_problem
-from .runlog import RunLog, RunLogError
+from .runlog import CLIENTS, RunLog, RunLogError
 from .strategies import Replies, Strategy, selected_per_round
+from .timeline import CLIENT_COLUMNS, OUTCOMES, ClientRound, Facts, Timeline
 
 log = logging.getLogger("fedemu.server")
 
@@ -83,6 +85,10 @@ class Settings:
     client_log: str = "auto"  # per-client detail: "events", "csv", or "auto" (see CLIENT_LOGS)
     device: str = "cpu"  # the torch device the server evaluates on (run.device as this host resolved it)
     aggregation: str = "server"  # or "nodes": each worker node sums its clients' updates (worker/node_sums.py)
+    timeline: str = "all"  # or "off": no timeline.csv (the ground truth in events and clients.csv stays)
+    # The clients' straggler factors, as the worker nodes draw them: the round event gives
+    # each selected client's, whether or not its reply came.
+    stragglers: StragglerSpec | StragglerGroups = field(default_factory=StragglerSpec)
 
     @property
     def per_round(self) -> int:
@@ -103,6 +109,7 @@ class _Totals:
 
 class Engine:
     algorithm = ""
+    synchronous = True
 
     def __init__(self, settings: Settings, model: ModelSpec, data: Data, runlog: RunLog):
         self.settings = settings
@@ -121,6 +128,7 @@ class Engine:
         self._clock_started: float | None = None  # emulated time when the run's clock started
         self._traffic: dict | None = None
         self._divergence_hinted = False
+        self.timeline = Timeline(runlog, write=settings.timeline != "off")
 
     def _decoded_delta(self, encoded: dict, seed_index: int, client: int, event_round: int,
                        unusable: str | None = None) -> np.ndarray | None:
@@ -188,9 +196,11 @@ class Engine:
         except Exception as exc:
             status, reason = self._failure(proc, exc)
         if self.runlog.failed is None:
+            self._last_of_the_timeline(proc)
             try:
                 self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
-                                  uploads=self.totals.uploads)
+                                  uploads=self.totals.uploads,
+                                  **({} if self.synchronous else {"evaluations": self.totals.rounds}))
             except RunLogError as exc:
                 log.error("%s", exc)
                 if status == "completed":
@@ -214,6 +224,16 @@ class Engine:
             bytes_down=self.totals.bytes_down,
             faults=len(self.totals.faults),
         )
+
+    def _last_of_the_timeline(self, proc: ThreadProcess) -> None:
+        """What happened since the last round's take (a run stopped mid-round), into
+        timeline.csv; nothing if the broker cannot answer any more."""
+        try:
+            if self._clock_started is not None and _broker_lost(proc) is None:
+                self.timeline.take(proc.node.broker_stats(timeline=True), self.totals.rounds + 1)
+            self.timeline.flush()
+        except (NodeError, RunLogError, OSError, AttributeError) as exc:  # AttributeError: a stand-in process
+            log.info("the timeline's last rows are not written: %s", exc)
 
     def _failure(self, proc: ThreadProcess, exc: Exception) -> tuple[str, str]:
         """Why the run ends with ``exc``: a stop asked for meanwhile (the launcher died,
@@ -265,11 +285,14 @@ class Engine:
         self._started = time.monotonic()  # wall
         proc.node.start_clock()  # emulated time runs from here (virtual time: it stood at 0 until now)
         self._clock_started = proc.now()
-        self._traffic = proc.node.broker_stats()
+        self._traffic = proc.node.broker_stats(timeline=True)
+        self.timeline.take(self._traffic, 0)  # devices offline from the start, say
         self.runlog.event("start", emulated_s=self._traffic["emulated_s"], clients=len(self.pids), placement=dict(sorted(ready_nodes.items())), algorithm=self.algorithm,
                           per_round=self.settings.per_round, time_scale=self.settings.time_scale,
                           clock=self.settings.clock,
-                          dataset=self.data.name, test_samples=len(self.data.test_y))
+                          dataset=self.data.name, test_samples=len(self.data.test_y),
+                          **({"eval_every_uploads": self.settings.eval_every} if not self.synchronous else {}))
+        self.timeline.flush()
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float | None = None,
                  wall_timeout: float | None = None):
@@ -333,14 +356,15 @@ class Engine:
         models.set_flat(self.model, self.weights)
         return training.evaluate(self.model, self.data.test_x, self.data.test_y, dataset=self.data.dataset)
 
-    def _traffic_since_last(self, proc: ThreadProcess) -> tuple[dict, dict]:
-        """(this period's broker counters, the broker's current view)."""
-        after = proc.node.broker_stats()
+    def _traffic_since_last(self, proc: ThreadProcess, round_: int) -> tuple[dict, dict, Facts]:
+        """(this period's broker counters, the broker's current view, the timeline's facts
+        of the period: taken from the broker, which then forgets them)."""
+        after = proc.node.broker_stats(timeline=True)
         before, self._traffic = self._traffic, after
         traffic = {key: after[key] - before[key] for key in TRAFFIC_KEYS}
         self.totals.bytes_up += traffic["bytes_up"]
         self.totals.bytes_down += traffic["bytes_down"]
-        return traffic, after
+        return traffic, after, self.timeline.take(after, round_)
 
     def _record(self, round_: int, accuracy: float | None) -> None:
         t = self.totals
@@ -393,6 +417,7 @@ class RoundEngine(Engine):
                 self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
                 return "failed", f"deadlock: {cause}"
             started = time.monotonic()  # wall
+            round_started = proc.now()  # emulated
             proc.node.announce_round(round_, by=proc.pid)
             candidates = sorted(self.live)
             if self.strategy.selects_all:
@@ -410,48 +435,59 @@ class RoundEngine(Engine):
             accuracy = loss = None
             if round_ % s.eval_every == 0 or round_ == s.rounds:
                 accuracy, loss = self._evaluate()
-            traffic, broker = self._traffic_since_last(proc)
+            round_ended = proc.now()  # emulated (the server's evaluation takes none)
+            traffic, broker, facts = self._traffic_since_last(proc, round_)
             self._record(round_, accuracy)
             final = book.final_replies
             n = sum(r.num_samples for r in final)
+            clients = self.timeline.judge(round_, round_started, round_ended, facts, book.selected, book.seen(),
+                                          {r.client: r for r in final},
+                                          lambda k: s.stragglers.slowdown(k, round_))
             self.runlog.event(
                 "round", round=round_, accuracy=accuracy, loss=loss,
                 participants=len(final), aggregated=new_weights is not None, uploads=book.uploads,
-                **traffic, **self._per_client(round_, book), quorum_missed=book.quorum_missed,
+                **traffic, **self._per_client(round_, book, clients), quorum_missed=book.quorum_missed,
                 train_loss=(sum(r.train_loss * r.num_samples for r in final) / n) if n else None,
                 compute_s_max=max((r.compute_s for r in final), default=None),
                 offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
+                round_emulated_s=round(round_ended - round_started, 6),
                 round_s=round(time.monotonic() - started, 4),  # wall
             )
+            self.timeline.round_span(round_, round_started, round_ended, "aggregated" if new_weights is not None
+                                     else "kept the model")
+            self.timeline.flush()
             self._hint_if_the_deadline_cut_everyone(round_, book)
             reason = self._finished(round_, accuracy)
             if reason:
                 return "completed", reason
         return "completed", f"ran {s.rounds} rounds"
 
-    def _per_client(self, round_: int, book: _RoundBook) -> dict:
-        """A round event's per-client fields: which selected clients answered,
-        straggled, were lost or discarded, and who was slowed. Listed in the event for
-        rounds of up to CLIENTS_IN_EVENTS clients (``client_log = "auto"``); beyond, or
-        with "csv", the event counts them and clients.csv gets a row per client."""
-        final = {r.client: r for r in book.final_replies}
+    def _per_client(self, round_: int, book: _RoundBook, clients: list[ClientRound]) -> dict:
+        """A round event's per-client fields: which selected clients answered, straggled,
+        were lost or discarded as the server saw it; what happened to them as the
+        emulator knows it (``outcomes``: OUTCOMES; ``offline_at``: when each offline
+        one's device went offline; ``failed_transfers``: which message was lost), and
+        each one's straggler factor. Listed in the event for rounds of up to
+        CLIENTS_IN_EVENTS clients (``client_log = "auto"``); beyond, or with "csv", the
+        event counts them. clients.csv gets a row per client either way."""
+        self.runlog.table(CLIENTS, CLIENT_COLUMNS, [c.row(round_) for c in clients])
+        counts = {name: 0 for name in OUTCOMES}
+        for c in clients:
+            counts[c.outcome] += 1
+        final = {r.client for r in book.final_replies}
         mode = self.settings.client_log
         if mode == "events" or (mode == "auto" and len(book.selected) <= CLIENTS_IN_EVENTS):
             return dict(selected=book.selected, answered=sorted(final), stragglers=sorted(book.stragglers),
                         dropped=sorted(book.dropped), discarded=sorted(book.discarded),
-                        slowdowns={k: round(r.slowdown, 3) for k, r in sorted(final.items()) if r.slowdown != 1.0})
-        outcome = {**{k: "discarded" for k in book.discarded}, **{k: "straggler" for k in book.stragglers},
-                   **{k: "dropped" for k in book.dropped}, **{k: "answered" for k in final}}
-        rows = []
-        for k in book.selected:
-            r = final.get(k)
-            rows.append((round_, k, outcome.get(k, "unanswered"), *((r.num_samples, r.train_loss, r.compute_s,
-                                                                       round(r.slowdown, 3)) if r else (None,) * 4)))
-        self.runlog.clients(rows)
-        counts = {"selected": len(book.selected), "answered": len(final), "stragglers": len(book.stragglers),
-                  "dropped": len(book.dropped), "discarded": len(book.discarded),
-                  "slowed": sum(r.slowdown != 1.0 for r in final.values())}
-        return {"clients": counts}
+                        slowdowns={c.client: round(c.slowdown, 3) for c in clients if c.slowdown != 1.0},
+                        outcome_counts=counts,
+                        outcomes={name: [c.client for c in clients if c.outcome == name] for name in OUTCOMES},
+                        offline_at={c.client: c.offline_at for c in clients if c.outcome == "offline"},
+                        failed_transfers={c.client: c.failed for c in clients if c.outcome == "failed_transfer"})
+        seen = {"selected": len(book.selected), "answered": len(final), "stragglers": len(book.stragglers),
+                "dropped": len(book.dropped), "discarded": len(book.discarded),
+                "slowed": sum(c.slowdown != 1.0 for c in clients)}
+        return {"clients": seen, "outcome_counts": counts}
 
     def _hint_if_the_deadline_cut_everyone(self, round_: int, book: _RoundBook) -> str | None:
         """Once a run: a round in which no selected client answered before the deadline,
@@ -507,6 +543,10 @@ class RoundEngine(Engine):
                 watchdog = time.monotonic() + s.progress_timeout_s  # wall
                 continue
             body = msg.body
+            if isinstance(body, TrainReply) and msg.sender == self.pids.get(body.client):
+                # On time or not, its local work goes into the timeline (from its own process only).
+                self.timeline.reply(body.round, body.client, body.started_s, body.ended_s, body.compute_s,
+                                    late=not (body.round == round_ and body.task == task and body.client in waiting))
             if isinstance(body, WorkerReady):
                 self._rejoin(proc, msg, round_)  # selectable from the next round on
             elif isinstance(body, Down):
@@ -631,6 +671,11 @@ class _RoundBook:
     quorum_missed: str | None = None  # None, "extended", "skipped" or "extended_then_skipped"
     uploads: int = 0
     final_replies: list = field(default_factory=list)
+
+    def seen(self) -> dict[int, str]:
+        """How the server saw each selected client that did not answer."""
+        return {**{k: "discarded" for k in self.discarded}, **{k: "straggler" for k in self.stragglers},
+                **{k: "dropped" for k in self.dropped}}
 
 
 QUORUM_POLICIES = ("skip", "extend_once")

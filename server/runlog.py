@@ -1,9 +1,9 @@
 """The run directory's event log and summary: a stable contract read by other tools.
 
 ``events.jsonl`` is append-only and flushed (and fsynced) per line, so a run killed
-half-way keeps every line it wrote; so is ``clients.csv`` (one row per selected client
-per round), which a run writes when its rounds are too large to list their clients in
-each round event (``run.client_log``). ``summary.json`` is replaced atomically.
+half-way keeps every line it wrote; so are its tables, ``clients.csv`` (one row per
+selected client per round) and ``timeline.csv`` (server/timeline.py), each appended once
+per round. ``summary.json`` is replaced atomically.
 
 A write that fails (a full disk, EIO, a read-only remount) raises :class:`RunLogError`
 naming the file and the error, after cutting the log back to its last whole line: every
@@ -21,7 +21,6 @@ from typing import Any
 
 EVENTS = "events.jsonl"
 CLIENTS = "clients.csv"
-CLIENT_COLUMNS = ("round", "client", "outcome", "num_samples", "train_loss", "compute_s", "slowdown")
 SUMMARY = "summary.json"
 RESERVE = "summary.reserve"
 RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
@@ -64,7 +63,8 @@ class RunLog:
         except OSError as exc:
             raise write_error(self.path, exc) from None
         self._events = _Lines(self.path)
-        self._clients: _Lines | None = None  # opened with the first rows
+        self._tables: dict[str, _Lines] = {}  # CSV files, each opened with its first rows
+        self.listeners: list = []  # called with each event once it is written (TensorBoard)
 
     def _reserve(self) -> None:
         reserve = self.run_dir / RESERVE
@@ -88,18 +88,19 @@ class RunLog:
         except RunLogError as exc:
             self.failed = exc
             raise
+        for listener in self.listeners:
+            listener(record)
         return record
 
-    def clients(self, rows: list[tuple]) -> None:
-        """Append rows (CLIENT_COLUMNS) to clients.csv, as one write; RunLogError as for
-        an event (the log is then closed)."""
+    def table(self, name: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+        """Append rows to the CSV file ``name`` (its header ``columns`` first), as one
+        write; RunLogError as for an event (the log is then closed)."""
         if self.failed is not None:
             raise self.failed
         try:
-            if self._clients is None:
-                self._clients = _Lines(self.run_dir / CLIENTS, header=",".join(CLIENT_COLUMNS) + "\n")
-            self._clients.append("".join(",".join("" if v is None else str(v) for v in row) + "\n"
-                                         for row in rows).encode())
+            if name not in self._tables:
+                self._tables[name] = _Lines(self.run_dir / name, header=",".join(columns) + "\n")
+            self._tables[name].append("".join(",".join(_csv_cell(v) for v in row) + "\n" for row in rows).encode())
         except RunLogError as exc:
             self.failed = exc
             raise
@@ -113,8 +114,8 @@ class RunLog:
 
     def close(self) -> None:
         self._events.close()
-        if self._clients is not None:
-            self._clients.close()
+        for table in self._tables.values():
+            table.close()
 
 
 class _Lines:
@@ -155,6 +156,16 @@ class _Lines:
             self._f.close()
         except OSError:
             pass
+
+
+def _csv_cell(value: Any) -> str:
+    """A CSV cell: empty for None; quoted where the text holds a comma or a quote."""
+    if value is None:
+        return ""
+    text = str(value)
+    if any(c in text for c in ',"\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def _jsonable(value: Any) -> Any:

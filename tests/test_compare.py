@@ -187,3 +187,78 @@ def test_run_records_compare_as_their_run_directories(tmp_path):
     broken.write_text(json.dumps({"summary": {"best_accuracy": 0.9}}))  # no config
     result = CliRunner().invoke(main, ["compare", *map(str, records), str(broken), "--out", str(tmp_path / "cmp")])
     assert result.exit_code != 0 and f"{broken}: a run record needs a 'config' and a 'summary'" in result.output
+
+
+# --- time and bytes to a target, on a real sweep ----------------------------------------------
+
+LINKS_SWEEP = """
+[sweep]
+parallel = 2
+target = 0.75
+[base.run]
+rounds = 3
+target_accuracy = 0.0
+heartbeat_interval_s = 0.2
+[base.data]
+clients = 10
+partition = "sample"
+examples_per_client = 600
+[base.algorithm]
+C = 0.3
+[base.network]
+default_profile = "mobile"
+[base.network.profiles.mobile]
+latency_ms = 35
+down = { bandwidth = "12Mbit" }
+[axes]
+"network.profiles.mobile.up.bandwidth" = ["1Mbit", "10Mbit"]
+"run.seed" = [1, 2]
+"""
+BANDWIDTH = "network.profiles.mobile.up.bandwidth"
+
+
+@pytest.fixture(scope="module")
+def links_sweep(tmp_path_factory):
+    from fedemu.launch.sweep import run_sweep
+    from fedemu.launch.sweep_spec import load_spec
+
+    folder = tmp_path_factory.mktemp("links")
+    (folder / "links.toml").write_text(LINKS_SWEEP)
+    counts = run_sweep(load_spec(folder / "links.toml", folder / "sweep"), echo=lambda line: None)
+    assert counts == {"completed": 4}
+    return folder / "sweep"
+
+
+@pytest.mark.mnist
+def test_time_to_target_ranks_a_fast_link_above_a_slow_one(links_sweep, tmp_path):
+    """The same models reach 75% over either uplink (no deadline is missed), so the
+    rounds agree; each round waits for 800 KB uploads, 10 times slower at 1 Mbit/s."""
+    runs = compare.collect([links_sweep])
+    results, names, _ = compare.compare(runs, by=BANDWIDTH, metric="time_to_target", rope=None, target=0.75)
+    (r,) = results
+    fast, slow = ("10Mbit", "1Mbit")
+    means = {r.a: r.mean_a, r.b: r.mean_b}
+    assert means[fast] < means[slow]
+    p_fast, p_slow = (r.p_a, r.p_b) if r.a == fast else (r.p_b, r.p_a)
+    assert p_fast > 0.9 > p_slow
+    assert compare.ranking(results, names, "time_to_target", 0.75).startswith(
+        "Ranked by mean emulated time to 75% (lower is better): 10Mbit")
+    rounds, _, _ = compare.compare(runs, by=BANDWIDTH, metric="rounds_to_target", rope=None, target=0.75)
+    assert rounds[0].mean_a == rounds[0].mean_b  # the link changes when, not what
+    result = CliRunner().invoke(main, ["compare", str(links_sweep), "--by", BANDWIDTH, "--metric", "bytes_to_target",
+                                       "--out", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    assert "MB uploaded to 75%" in result.output  # the sweep's target, by default
+
+
+@pytest.mark.mnist
+def test_a_run_that_never_reached_the_target_is_named_unless_told_how_to_count_it(links_sweep):
+    runs = compare.collect([links_sweep])
+    with pytest.raises(compare.CompareError, match="never reached 99%.*--unreached"):
+        compare.compare(runs, by=BANDWIDTH, metric="time_to_target", target=0.99)
+    results, _, _ = compare.compare(runs, by=BANDWIDTH, metric="time_to_target", target=0.99, unreached="budget")
+    assert results[0].n == 2  # counted as the whole run's emulated time: a lower bound
+    with pytest.raises(compare.CompareError, match="at least 2 paired runs"):
+        compare.compare(runs, by=BANDWIDTH, metric="time_to_target", target=0.99, unreached="drop")
+    with pytest.raises(compare.CompareError, match="needs a target"):
+        compare.compare(runs, by=BANDWIDTH, metric="time_to_target")

@@ -502,6 +502,9 @@ class _Outbox:
     def send_after(self, delay, pid, body, unless_offline=False):
         self.sent.append(body)
 
+    def now(self) -> float:  # the run's clock, which no test here moves
+        return 0.0
+
 
 def _async_pair(tmp_path, rule, spec):
     """A server engine and one client (id 0) on 20 random images, after AsyncStart."""

@@ -225,8 +225,8 @@ def test_a_failed_write_keeps_every_line_whole_and_closes_the_log(tmp_path):
     assert events.read_text() == good
     with pytest.raises(RunLogError):
         log.event("round", round=2)
-    with pytest.raises(RunLogError):  # the per-client rows too: the log is closed
-        log.clients([(2, 0, "answered", 10, 0.5, 1.0, 1.0)])
+    with pytest.raises(RunLogError):  # the per-client rows and the timeline too: the log is closed
+        log.table("clients.csv", ("round", "client", "outcome"), [(2, 0, "answered")])
     summary = log.summary(status="failed", reason=str(log.failed))
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert not (tmp_path / "summary.reserve").exists()  # its room was used for the summary

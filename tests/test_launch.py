@@ -275,3 +275,22 @@ def test_k_fold_runs_hold_out_one_fifth_of_all_70000_images(tmp_path):
     start = next(e for e in read_events(run_dir) if e["event"] == "start")
     assert start["dataset"] == "mnist fold 2 of 5" and start["test_samples"] == 14_000
     assert json.loads((run_dir / "summary.json").read_text())["final_accuracy"] > 0.5
+
+
+def test_a_server_stopped_by_the_signal_before_its_handler_leaves_an_interrupted_summary(tmp_path):
+    """A sweep stopped while a point's server still starts up: the server dies of the
+    SIGINT it was sent (its handler not installed yet). Its summary says interrupted, as
+    the sweep's index does, not "failed ... killed by SIGINT"."""
+    from fedemu.launch import config as configuration
+    from fedemu.launch.local import LocalRun
+
+    (tmp_path / "logs").mkdir()
+    run = LocalRun(configuration.default(), tmp_path, 1, echo=lambda line: None)
+    starting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run.procs["server"] = starting
+    run.interrupted_by = signal.SIGINT
+    run.interrupt()
+    starting.wait(30)
+    summary = run.summary()
+    assert summary["status"] == "interrupted" and "SIGINT" in summary["reason"], summary
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary

@@ -163,3 +163,32 @@ def test_export_writes_a_tidy_row_per_evaluation_with_the_swept_keys(tmp_path):
     # Emulated time counts from the run's start, as report's curves do.
     assert float(by_run[str(loose)][0]["emulated_s"]) == pytest.approx(2.0)
     assert CliRunner().invoke(main, ["export", str(tmp_path / "nothing-here")]).exit_code != 0
+
+
+def test_figures_for_straggler_and_dropout_studies(tmp_path):
+    """Loss, each round's duration and participation by outcome are drawn when the log has
+    them; a sweep's repetitions become a mean and a band; labels name only what differs
+    (a key one run lacks is not "None"); round axes have whole ticks."""
+    from fedemu.launch.report_figures import run_labels, spread
+
+    runs = []
+    for i, (sets, offline) in enumerate((({}, 0), ({"network.dropout": {"per_round": 0.3}}, 3))):
+        run_dir = make_run(tmp_path / f"r{i}", [0.5, 0.7, 0.8], sets=sets)
+        lines = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        for e in lines:
+            if e["event"] == "round":
+                e.update(loss=1.0 / e["round"], round_emulated_s=10.0,
+                         outcome_counts={"answered": 10 - offline, "straggler": 0, "offline": offline})
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+        runs.append(run_dir)
+    # The first run has no drop-out section: its label is its folder, not "per_round=None".
+    assert run_labels([results.load_run(r) for r in runs]) == ["r0", "drop-out per round=0.3"]
+    out = tmp_path / "report"
+    assert CliRunner().invoke(main, ["report", *map(str, runs), "--out", str(out), "--format", "svg"]).exit_code == 0
+    for stem in ("loss-vs-rounds", "round-duration", "participation", "accuracy-vs-rounds"):
+        assert (out / f"{stem}.svg").exists(), stem
+    rounds_axis = (out / "accuracy-vs-rounds.svg").read_text()
+    assert ">1.5<" not in rounds_axis and ">2<" in rounds_axis  # whole rounds only
+    x, mean, low, high = spread([(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0])),
+                                 (np.array([1.0, 3.0]), np.array([3.0, 5.0]))])
+    assert list(x) == [1, 2, 3] and list(mean) == [2, 3, 4] and list(low) == [1, 2, 3] and list(high) == [3, 4, 5]

@@ -137,6 +137,9 @@ def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
         def has_message(self, match):  # nothing arrives while it trains
             return False
 
+        def now(self):  # the run's clock stands still meanwhile (virtual time)
+            return 0.0
+
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), rng.integers(0, 10, 20)
     client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),

@@ -80,10 +80,13 @@ def _toml(config: dict) -> str:
                      for section, keys in config.items()) + "\n"
 
 
+# Re-pinned (issue 43) when replies began to carry their local work's span (TrainReply and
+# Upload: started_s, ended_s, for the timeline): each reply is a few bytes longer, which
+# moves the bytes counted and, with them, the transfer and arrival times.
 @pytest.mark.parametrize("algorithm, sets, digest", [
     ("fedavg", ("algorithm.C=0.5", "algorithm.deadline_s=20.0"),
-     "5aeb98e3f98bba495a77eeb3f072345332d6f0c0e034f2491acbc9ba45d22bcf"),
-    ("fedbuff", (), "f4fe4c99585e634097399f76c13c088fbbab4beb86c0e7eb617c6e2eb61a180c"),
+     "43a30683bff463385ee580a08468e4dfff113559077fd12ea562cbe38f72b247"),
+    ("fedbuff", (), "5a2e8e1fdd1a37a2abbeeb489a3718c219b984876e1338b9ede08e6db091d499"),
 ])
 def test_the_message_transport_times_runs_as_before(tmp_path, algorithm, sets, digest):
     config = {"run": {"rounds": 3}, "data": {"clients": 20, "partition": "shards"},

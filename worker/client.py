@@ -105,6 +105,7 @@ class Client(Behaviour):
         self._encoded: dict | None = None  # a structured training's exact encoding of the delta
         self._loss = 0.0
         self._measured = (0.0, 0.0)  # the last local update's wall and CPU seconds
+        self._span: tuple[float | None, float | None] = (None, None)  # its emulated start and end (CO-OP)
 
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         body = msg.body
@@ -180,6 +181,7 @@ class Client(Behaviour):
 
     def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
         went_offline = self._offline_since(proc)
+        started = proc.now()  # emulated: the local work's span goes into the run's timeline
 
         def cancels_this_round(body: object) -> bool:
             return isinstance(body, Cancel) and body.round == request.round
@@ -203,6 +205,7 @@ class Client(Behaviour):
         if (request.keep_at_node and reply.update is not None and self.kept is not None
                 and update_problem(reply.update, request.weights.size) is None):
             self.kept.keep(reply)  # (an unfit update goes to the server whole: it refuses it, naming why)
+        reply.started_s, reply.ended_s = started, proc.now() + hold
         # The device's compute time (modelled, or what real time has not covered yet).
         held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
@@ -302,6 +305,7 @@ class Client(Behaviour):
 
     def _train_async(self, proc: BehaviourProcess) -> None:
         went_offline = self._offline_since(proc)
+        started = proc.now()  # emulated
         self._untrained = self._weights
         self._updates += 1
         self._trainings += 1
@@ -318,14 +322,16 @@ class Client(Behaviour):
         measured_s, cpu_s = self._measured
         if start.asks_age:  # CO-OP, Algorithm 3, line 6: ask the server's age first
             _, hold = self._times(slowdown, measured_s, cpu_s)
+            self._span = (started, proc.now() + hold)  # its upload, after the age check, carries it
             self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
         model = self._cache.get(self.model)
-        started, started_cpu = time.perf_counter(), time.thread_time()  # wall
+        started_wall, started_cpu = time.perf_counter(), time.thread_time()  # wall
         upload = self._upload(model, 0.0, slowdown)
         # Encoding is the client's work too (measured; the device model charges training).
-        upload.compute_s, hold = self._times(slowdown, measured_s + time.perf_counter() - started,  # wall
+        upload.compute_s, hold = self._times(slowdown, measured_s + time.perf_counter() - started_wall,  # wall
                                              cpu_s + time.thread_time() - started_cpu)
+        upload.started_s, upload.ended_s = started, proc.now() + hold
         self._request(proc, upload, hold)
 
     def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
@@ -389,7 +395,9 @@ class Client(Behaviour):
                 self._trainings = 0
             proc.send(proc.pid, TrainAgain())
         else:
-            self._request(proc, self._upload(self._cache.get(self.model), compute_s=0.0))
+            upload = self._upload(self._cache.get(self.model), compute_s=0.0)
+            upload.started_s, upload.ended_s = self._span  # the training that passed the age check
+            self._request(proc, upload)
 
 
 def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec,

@@ -47,6 +47,10 @@ class TrainReply:
     # added to the message, charged on the link as if sent (wire.Header.charge).
     link_charge: int = 0
     extra: dict | None = None  # what a plug-in task sends beside its update (worker.tasks.TaskOutput)
+    # The local work's span in emulated time (the run's timeline): when it started, and
+    # when it ended on the emulated device, i.e. when this reply entered the uplink.
+    started_s: float | None = None
+    ended_s: float | None = None
 
 
 def update_problem(update: object, size: int) -> str | None:
@@ -166,6 +170,8 @@ class Upload:
     # `update` (the delta if is_delta, else base model + delta) before merging.
     encoded: dict | None = None
     request: int = 0
+    started_s: float | None = None  # the local update's span in emulated time, as TrainReply's
+    ended_s: float | None = None
 
 
 @message
