@@ -48,6 +48,9 @@ from .wire import BROKER_NODE, BROKER_PID, USER, Pid
 log = logging.getLogger("fedemu.node")
 
 _PR_SET_NAME = 15  # prctl(2)
+# A node process that ends itself because its own machinery failed (see Node._fail) exits
+# with this code (sysexits' EX_SOFTWARE), after one line on stderr that names the failure.
+FAILED_EXIT = 70
 # call_broker: how many times its timeout an answer is awaited while the broker is alive.
 BUSY_BROKER_FACTOR = 12
 
@@ -87,6 +90,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         pool_size: int = 1,
         keys: RunKeys | None = None,
         pool_nice: int = 0,
+        exit_on_failure: bool = False,
     ) -> None:
         if not name or name.startswith("$") or "/" in name:
             raise ValueError(f"bad node name {name!r}")
@@ -109,6 +113,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         self.closed = threading.Event()
         self.close_reason: str | None = None
         self.broker_lost: str | None = None  # why this node lost the broker, once it has
+        self.failure: str | None = None  # what broke in the node itself (_fail, its I/O thread), if anything
+        self.exit_on_failure = exit_on_failure  # a node of a run: its OS process ends with the node (_fail)
         self.on_close: list[Callable[[str], None]] = []
         self.keys = keys
         self._broker_clock = BrokerClock()
@@ -154,6 +160,28 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             self.clock.close()
         for callback in self.on_close:
             callback(reason)
+
+    def _fail(self, doing: str, exc: BaseException) -> None:
+        """The node's own machinery failed while ``doing`` something (out of memory, no
+        thread to be had): a DOWN it could not send, a process it could not schedule. Its
+        books cannot be trusted after that (in virtual time a process counted busy for ever
+        holds the run's clock still; a lost DOWN leaves its watcher waiting), so the node
+        fails stop, as an Erlang node does: the broker finds it silent within the heartbeat
+        timeout and every watcher gets ``noconnection``. A node of a run
+        (``exit_on_failure``) ends its OS process at once, with FAILED_EXIT and one line on
+        stderr naming the failure, which the launcher reports; an embedded node closes."""
+        try:
+            reason = f"{doing}: {type(exc).__name__}: {exc}"
+            self.failure = reason
+            log.critical("node %s failed %s", self.name, reason)
+        except BaseException:  # out of memory even for the message: the exit code still says it
+            reason = doing
+        if self.exit_on_failure:
+            try:
+                os.write(2, f"fedemu: node {self.name} failed {reason}\n".encode(errors="replace"))
+            finally:
+                os._exit(FAILED_EXIT)
+        self.close(f"failed {reason}")
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.closed.wait(timeout)
@@ -224,8 +252,12 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
     def _pool_submit(self, fn: Callable[[], None]) -> None:
         try:
             self._pool.submit(fn)
-        except RuntimeError:  # pool shut down: the node is closing
-            pass
+        except RuntimeError as exc:
+            if self.closed.is_set():
+                return  # pool shut down: the node is closing
+            # No thread for the pool ("can't start new thread"): the process it was for
+            # stays counted busy with nobody to run it.
+            self._fail("starting its worker pool", exc)
 
 
 __all__ = [
