@@ -15,6 +15,9 @@ from .lifecycle import Interrupted, exit_code_for, raise_on_stop_signals, stop_s
 
 # Commands that are processes of a run, or serve one, and handle stop signals their own way.
 _OWN_SIGNAL_HANDLING = ("node", "broker", "host-agent", "sweep-task", "preflight")
+# What a command stopped before it could stop in order has left undone, in words. A
+# launch stops its run in order once the run directory exists (launcher._run_to_end).
+_STOPPED_EARLY = {"launch": " before the run directory was made; nothing ran"}
 
 
 def _config_error(exc: Exception) -> click.ClickException:
@@ -29,8 +32,9 @@ class _Commands(click.Group):
         try:
             return super().invoke(ctx)
         except Interrupted as exc:
-            click.echo(f"fedemu {ctx.invoked_subcommand or ''}: stopped by {signal.Signals(exc.signum).name}",
-                       err=True)
+            command = ctx.invoked_subcommand or ""
+            click.echo(f"fedemu {command}: stopped by {signal.Signals(exc.signum).name}"
+                       f"{_STOPPED_EARLY.get(command, '')}", err=True)
             ctx.exit(exit_code_for(exc.signum))
 
 
@@ -69,10 +73,6 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
         run_dir, summary = run_local(config_file, list(overrides), out, workers, machines=machines)
     except (configuration.ConfigError, LaunchError, DatasetError) as exc:
         raise _config_error(exc) from None
-    except Interrupted as exc:  # the run stops in order once its directory exists: this is before
-        click.echo(f"fedemu launch: stopped by {signal.Signals(exc.signum).name} before the run directory "
-                   "was made; nothing ran", err=True)
-        sys.exit(exit_code_for(exc.signum))
     click.echo(f"summary: {json.dumps(summary)}")
     click.echo(f"run directory: {run_dir}")
     if summary.get("status") != "completed":

@@ -237,11 +237,12 @@ class LocalRun:
     def stop(self, grace: float = 15.0) -> None:
         """Let every process exit on its own, then terminate, then kill: no strays."""
         server = self.procs.get("server")
-        if self.interrupted_by is not None or server is not None and server.poll() is not None \
-                and server.returncode < 0:
-            # Stopped, or the server was killed: nodes still starting (or never told to
-            # leave) would only wait out the grace.
-            grace = min(grace, 3.0)
+        if self.interrupted_by is not None:
+            # Stopped: the server has told the nodes to leave, or died of the signal while it
+            # started up (nobody will); either way there is nothing to wait for.
+            grace = min(grace, 1.0)
+        elif server is not None and server.poll() is not None and server.returncode < 0:
+            grace = min(grace, 3.0)  # the server was killed: nobody told the nodes to leave
         deadline = time.monotonic() + grace  # wall
         for name, proc in sorted(self.procs.items(), key=lambda item: item[0] == "broker"):
             # The broker goes last, and briefly: a server's shutdown has already ended it,

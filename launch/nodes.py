@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedemu.node import Broker, Node
+from fedemu.node import Broker, Node, NodeError
 from fedemu.node.links import NetworkSpec
 
 from .lifecycle import STOP_SIGNALS, parent_died, stop_reason
@@ -215,10 +215,15 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown, a signal).
         signal.signal(sig, stop)
-    host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
-                 model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
-                 stragglers=stragglers, compute=compute_model(config),
-                 restarts=config["run"]["restart_clients"], device=device)
+    try:
+        host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
+                     model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
+                     stragglers=stragglers, compute=compute_model(config),
+                     restarts=config["run"]["restart_clients"], device=device)
+    except (NodeError, TimeoutError):
+        if not node.closed.is_set():
+            raise
+        # Closed while it started up (a stop signal, the broker lost): how it closed is its end.
     node.wait()
     if stopped_by:  # die of the signal, once closed: the launcher then names what stopped this node
         signal.signal(stopped_by[0], signal.SIG_DFL)
