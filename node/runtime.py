@@ -151,6 +151,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             self.close_reason = reason
             self.closed.set()
         log.info("node %s closing: %s", self.name, reason)
+        for done, _ in list(self._replies.values()):  # a request awaiting the broker waits no more
+            done.set()
         self._wake()
         if self._io_thread and self._io_thread is not threading.current_thread():
             self._io_thread.join(timeout=5)
@@ -223,6 +225,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         while the broker is alive (heartbeats), up to BUSY_BROKER_FACTOR times as long: the
         request may be queued behind gigabytes this node sent before it (thousands of
         models), which the broker reads first."""
+        self._check_open()
         ref = next(self._refs)
         done = threading.Event()
         slot: list = []
@@ -238,6 +241,11 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
                     raise NodeError(f"broker did not answer {body['op']!r}: lost the broker: {self.broker_lost}")
                 raise NodeError(f"broker did not answer {body['op']!r} within {timeout * BUSY_BROKER_FACTOR:g}s "
                                 "(alive, but busy)")
+        if not slot:  # woken by close()
+            self._replies.pop(ref, None)
+            if self.broker_lost:
+                raise NodeError(f"broker did not answer {body['op']!r}: lost the broker: {self.broker_lost}")
+            raise NodeError(f"node {self.name} closed ({self.close_reason}) before the broker answered {body['op']!r}")
         return slot[0]
 
     def send(self, dst: Pid | str, body: Any) -> None:

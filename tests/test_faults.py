@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,37 @@ def test_a_full_disk_ends_the_run_with_a_reason_that_names_the_file(tmp_path):
         assert summary["rounds"] >= 1
     finally:
         _unmount(disk)
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_file_system_full_at_the_start_leaves_no_partial_file_and_says_why(tmp_path):
+    """Issue 41: a tmpfs full while the run started gave "the broker exited with code 1:
+    (no output)" and left broker.tmp. Three sizes: the launcher's own files, the broker's
+    address and the server's start each meet the full disk first (4 KB pages)."""
+    cache = tmp_path / "cache"
+    tiny_mnist(cache)
+    for size in ("8k", "12k", "16k"):
+        disk = tmp_path / f"disk-{size}"
+        disk.mkdir()
+        _mount(disk, f"size={size}")
+        try:
+            run_dir = disk / "run"
+            proc, _ = tiny_launch(tmp_path, *SYNC, out=run_dir)
+            output, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 1, output
+            assert "No space left on device" in output or f"the file system of {run_dir} is full" in output, output
+            assert_left_clean(run_dir)
+            files = {p.relative_to(run_dir).as_posix(): p for p in run_dir.rglob("*") if p.is_file()}
+            assert not [name for name in files if name.endswith(".tmp")], (size, sorted(files))
+            whole = {"config.toml": tomllib.loads, "network.json": json.loads, "summary.json": json.loads,
+                     "broker.endpoint": lambda text: text.endswith("\n") and text.startswith("tcp://") or 1 / 0}
+            for name, parse in whole.items():
+                if name in files:
+                    parse(files[name].read_text())  # whole, or it raises
+            assert "summary.reserve" not in files or files["summary.reserve"].stat().st_size == 4096
+        finally:
+            _unmount(disk)
 
 
 def test_a_failed_write_keeps_every_line_whole_and_closes_the_log(tmp_path):
