@@ -138,7 +138,7 @@ class LocalRun:
                 reported.add(name)  # the server sees its clients DOWN; the user sees why
                 self.echo(f"warning: {name} {describe_exit(proc.returncode)}: {self._tail(name)}")
                 if name == "broker" and self.procs["server"].poll() is None:
-                    self.broker_died = describe_exit(proc.returncode)
+                    self.broker_died = exit_cause(proc.returncode, oom_kills=self.oom_kills.since())
 
     def record_exit(self, node: str, returncode: int) -> None:
         """Tell the server how a worker node's process ended (runlog.NODE_EXIT): its
@@ -197,7 +197,10 @@ class LocalRun:
                            if not started else f"{stop_reason(stopped_by)}; the server node ended ({how}) "
                            "without a summary"}
             else:
-                how = describe_exit(server.returncode) if server is not None else "never started"
+                # A signal with what it most often means (the OOM killer's SIGKILL, say); an
+                # exit code's cause is in the output's tail.
+                how = ("never started" if server is None else describe_exit(server.returncode)
+                       if server.returncode >= 0 else exit_cause(server.returncode, oom_kills=self.oom_kills.since()))
                 summary = {"status": "failed", "reason": f"the server node ended ({how}) without a summary: "
                            f"{self._tail('server')}"}
         elif self.broker_died and summary.get("status") == "failed":

@@ -325,6 +325,59 @@ def test_a_run_under_an_address_space_limit_ends_naming_the_cause(tmp_path):
     assert not summary["reason"].startswith("deadlock: 0 live clients"), summary["reason"]
 
 
+def _memory_cgroup(name: str, limit: int) -> tuple[Path, str] | None:
+    """A new memory cgroup holding at most ``limit`` bytes, and the file a process joins
+    it by; None where this host lets no test make one (not root, no memory controller)."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            group = v1 / name
+            group.mkdir()
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+        elif "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+            group = v2 / name
+            group.mkdir()
+            (group / "memory.max").write_text(str(limit))
+            (group / "memory.swap.max").write_text("0")
+        else:
+            return None
+    except OSError:
+        return None
+    return group, str(group / "cgroup.procs")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_the_oom_killer_is_named(tmp_path):
+    """A memory cgroup (where the host lets a test make one): the kernel's OOM killer ends
+    a process of the run with SIGKILL; the run names it, by the cgroup's OOM-kill count."""
+    made = _memory_cgroup(f"fedemu-test-{os.getpid()}", 2_000_000_000)
+    if made is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+    group, procs_file = made
+
+    def join() -> None:
+        Path(procs_file).write_text(str(os.getpid()))  # before exec: every process of the run is in it
+        _no_core_dumps()
+
+    try:
+        # 1,000 one-example clients a round on each worker node: their held replies (0.8 MB
+        # each) are more than the 2 GB the cgroup leaves beside the run's processes.
+        proc, run_dir = tiny_launch(tmp_path, "data.partition='sample'", "data.clients=2000", "algorithm.C=1.0",
+                                    "run.rounds=5", preexec_fn=join)
+        output, _ = proc.communicate(timeout=300)
+        assert_left_clean(run_dir)
+        events = assert_log_whole(run_dir)
+        summary = summary_of(run_dir)
+        named = summary["reason"] + " ".join(e["reason"] for e in events if e["event"] == "fault")
+        assert "SIGKILL (the kernel's OOM killer" in named, (summary, output[-2000:])
+    finally:
+        deadline = time.monotonic() + 30
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        group.rmdir()
+
+
 @pytest.mark.slow
 def test_a_run_whose_every_client_crashed_is_failed_not_completed(tmp_path):
     """Issue 41: every client crashed (out of memory) and the summary said `completed`,
