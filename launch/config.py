@@ -29,8 +29,8 @@ class ConfigError(ValueError):
 
 
 # Seconds, wall or emulated, a key may name: about 32 years, far beyond any run, and far
-# from where adding them up loses precision.
-MAX_SECONDS = 1e9
+# from where adding them up loses precision (as written in an interval's notation).
+MAX_SECONDS = "1e9"
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
@@ -66,9 +66,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           **interval("(0, 1e6]")),
         "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget",
                                       **interval("[0, 1e9]")),
-        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", **interval(f"[0, {MAX_SECONDS:g}]")),
+        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", **interval(f"[0, {MAX_SECONDS}]")),
         "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation",
-                                  **interval(f"(0, {MAX_SECONDS:g}]")),
+                                  **interval(f"(0, {MAX_SECONDS}]")),
         "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes; > 0 lets "
                          "message I/O preempt training, for tighter link timing on busy cores (0: none)",
                          check=lambda v: 0 <= v <= 19, rule="in 0..19"),
@@ -126,7 +126,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                               "lr_round_decay^(t - 1) (McMahan et al.'s CIFAR-10 runs: 0.99); 1 = none",
                               check=lambda g: 0 < g <= 1, rule="in (0, 1]"),
         "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline",
-                          **interval(f"[0, {MAX_SECONDS:g}]")),
+                          **interval(f"[0, {MAX_SECONDS}]")),
         "quorum": Key(int, "minimum updates to aggregate a round", check=positive, rule="> 0"),
         "on_quorum_missed": Key(str, "when a deadline passes below the quorum: skip the round (keep the model), "
                                 "or extend the deadline once by deadline_s and skip if still short",
@@ -138,11 +138,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=positive, rule="> 0"),
         "merge_s": Key(float, "asynchronous rules: emulated seconds the server spends on each upload or fetch "
                        "(merging, and its share of evaluation); requests queue while it is busy, age requests "
-                       "are answered at once; 0 = instantaneous", **interval(f"[0, {MAX_SECONDS:g}]")),
+                       "are answered at once; 0 = instantaneous", **interval(f"[0, {MAX_SECONDS}]")),
         "retry_s": Key(float, "asynchronous rules: emulated seconds a client waits for a reply before it resends "
                        "its request (and the server its AsyncStart), doubling with each resend up to 8x; must "
                        "exceed a model's round trip over the slowest link plus server queueing",
-                       **interval(f"(0, {MAX_SECONDS:g}]")),
+                       **interval(f"(0, {MAX_SECONDS}]")),
     },
 }
 
