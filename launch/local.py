@@ -241,9 +241,10 @@ class LocalRun:
         """Let every process exit on its own, then terminate, then kill: no strays."""
         server = self.procs.get("server")
         if self.interrupted_by is not None:
-            # Stopped: the server has told the nodes to leave, or died of the signal while it
-            # started up (nobody will); either way there is nothing to wait for.
-            grace = min(grace, 1.0)
+            # Stopped: the server has told the nodes to leave (a second is plenty), or died
+            # of the signal while it started up, or never started: nobody will, so at once.
+            told = server is not None and server.poll() is not None and server.returncode >= 0
+            grace = min(grace, 1.0 if told else 0.0)
         elif server is not None and server.poll() is not None and server.returncode < 0:
             grace = min(grace, 3.0)  # the server was killed: nobody told the nodes to leave
         deadline = time.monotonic() + grace  # wall
