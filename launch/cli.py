@@ -2,23 +2,50 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 import click
 
-from . import config as configuration
+# Light on purpose (the config, numpy, zmq and torch are imported by the commands that use
+# them): a launcher stopped while it starts up must already have its signal handlers.
 from .host_options import machine_options
+from .lifecycle import Interrupted, exit_code_for, raise_on_stop_signals, signal_named, stop_signal_received
+
+# Commands that are processes of a run, or serve one, and handle stop signals their own way.
+_OWN_SIGNAL_HANDLING = ("node", "broker", "host-agent", "sweep-task", "preflight")
+# What a command stopped before it could stop in order has left undone, in words. A
+# launch stops its run in order once the run directory exists (launcher._run_to_end).
+_STOPPED_EARLY = {"launch": " before the run directory was made; nothing ran"}
 
 
 def _config_error(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    def invoke(self, ctx: click.Context):
+        # A command stopped (see main) before it could stop in order says so and exits as
+        # a shell reports a process killed by the signal (130, 143, 129), where click would
+        # say "Aborted!" and exit with 1.
+        try:
+            return super().invoke(ctx)
+        except Interrupted as exc:
+            command = ctx.invoked_subcommand or ""
+            click.echo(f"fedemu {command}: stopped by {signal.Signals(exc.signum).name}"
+                       f"{_STOPPED_EARLY.get(command, '')}", err=True)
+            ctx.exit(exit_code_for(exc.signum))
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fedemu", message="%(prog)s %(version)s")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """fedemu: a federated-learning emulator on real processes and sockets."""
+    if ctx.invoked_subcommand not in _OWN_SIGNAL_HANDLING:
+        # SIGTERM and SIGHUP stop a command as Ctrl-C does, from its first moment.
+        raise_on_stop_signals()
 
 
 @main.command()
@@ -38,6 +65,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     Slurm allocation (--slurm)."""
     from fedemu.worker.ml.data import DatasetError
 
+    from . import config as configuration
     from .launcher import launch as run_local
     from .rundir import LaunchError
     from .slurm import Allocation
@@ -53,10 +81,8 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
         raise _config_error(exc) from None
     click.echo(f"summary: {json.dumps(summary)}")
     click.echo(f"run directory: {run_dir}")
-    if summary.get("status") == "interrupted":  # as `fedemu sweep` exits when interrupted
-        from .lifecycle import interrupted_exit_code
-
-        sys.exit(interrupted_exit_code(summary.get("reason")))
+    if summary.get("status") == "interrupted":  # as a shell reports it, and as `fedemu sweep` exits
+        sys.exit(exit_code_for(stop_signal_received() or signal_named(summary.get("reason"))))
     if summary.get("status") != "completed":
         sys.exit(1)
 
@@ -66,6 +92,8 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
     """Validate a config without running it; print the resolved config."""
+    from . import config as configuration
+
     try:
         config = configuration.load(config_file, list(overrides))
     except configuration.ConfigError as exc:
@@ -181,6 +209,8 @@ def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, 
     exactly as the worker nodes will cut it (same seed, same partition)."""
     from fedemu.worker.ml import datasets as registry, split
 
+    from . import config as configuration
+
     try:
         config = configuration.load(config_file, list(overrides))
         spec = configuration.data_spec(config)
@@ -223,7 +253,7 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
     try:
         run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,
                    keys_file, token_file, controllers or None)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a bad network file; its address that cannot be written
         raise click.ClickException(str(exc)) from None
 
 

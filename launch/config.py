@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fedemu.node.schema import Key, fraction, non_negative, positive, unit_interval
+from fedemu.node.schema import INT64, MAX_LEARNING_RATE, Key, fraction, interval, non_negative, positive, unit_interval
 
 
 def is_device_setting(value: str) -> bool:
@@ -27,6 +27,10 @@ def is_device_setting(value: str) -> bool:
 class ConfigError(ValueError):
     """A config key or value that is not allowed; the message names it."""
 
+
+# Seconds, wall or emulated, a key may name: about 32 years, far beyond any run, and far
+# from where adding them up loses precision (as written in an interval's notation).
+MAX_SECONDS = "1e9"
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
@@ -42,11 +46,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tensorboard": Key(bool, "write TensorBoard event files (tensorboard/ in the run directory) as the run goes: "
                            "accuracy, loss, participation by outcome, round duration, bytes, and the config"),
         "out": Key(str, "folder under which run directories are made"),
-        "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", check=non_negative, rule=">= 0"),
-        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)", check=non_negative, rule=">= 0"),
-        "heartbeat_interval_s": Key(float, "node heartbeat period", check=positive, rule="> 0"),
-        "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost", check=positive, rule="> 0"),
-        "startup_timeout_s": Key(float, "how long the server waits for every worker node", check=positive, rule="> 0"),
+        "workers": Key(int, "worker nodes (OS processes) to start; 0 = number of cores", **interval("[0, 4096]")),
+        "torch_threads": Key(int, "torch threads per worker node; 0 = cores / workers (with --machines: per host)",
+                             **interval("[0, 1024]")),
+        "heartbeat_interval_s": Key(float, "node heartbeat period", **interval("[0.01, 60]")),
+        "heartbeat_timeout_s": Key(float, "silence after which a node is declared lost (at least twice "
+                                   "heartbeat_interval_s: one late beat is not a loss)", **interval("(0, 3600]")),
+        "startup_timeout_s": Key(float, "how long the server waits for every worker node", **interval("(0, 86400]")),
         "clock": Key(str, "emulated time: 'virtual' (the broker's discrete-event clock: the same config and seed "
                      "give the same run on any host, load or placement) or 'wall' (the host's clock x time_scale)",
                      choices=("virtual", "wall")),
@@ -58,11 +64,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
                       "start); a GPU's weights differ from a CPU's in the last bits", check=is_device_setting,
                       rule="'auto', 'cpu', 'cuda' or 'cuda:N'"),
         "device_flops": Key(float, "virtual clock, compute = 'model': the emulated device's training speed in "
-                            "FLOP/s (a straggler with factor f runs at device_flops / f)", check=positive, rule="> 0"),
-        "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster", check=positive, rule="> 0"),
-        "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget", check=non_negative, rule=">= 0"),
-        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", check=non_negative, rule=">= 0"),
-        "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation", check=positive, rule="> 0"),
+                            "FLOP/s (a straggler with factor f runs at device_flops / f)", **interval("[1e3, 1e18]")),
+        "time_scale": Key(float, "wall clock: run emulated delays (links, stragglers, deadlines) this many times faster",
+                          **interval("(0, 1e6]")),
+        "max_uploads_per_client": Key(float, "stop after this many uploads per client on average (Nilsson: 100); 0 = no budget",
+                                      **interval("[0, 1e9]")),
+        "max_wall_s": Key(float, "stop after this many wall seconds; 0 = no limit", **interval(f"[0, {MAX_SECONDS}]")),
+        "progress_timeout_s": Key(float, "the watchdog reports a run this long without aggregation",
+                                  **interval(f"(0, {MAX_SECONDS}]")),
         "pool_nice": Key(int, "nice increment of the threads that train clients in worker nodes; > 0 lets "
                          "message I/O preempt training, for tighter link timing on busy cores (0: none)",
                          check=lambda v: 0 <= v <= 19, rule="in 0..19"),
@@ -86,9 +95,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "examples_per_client": Key(int, "partition = 'sample': examples each client draws (without replacement; "
                                    "clients may share examples)", check=positive, rule="> 0"),
         "dirichlet_alpha": Key(float, "partition = 'dirichlet': the concentration alpha (small: few classes per "
-                               "client; large: close to IID)", check=lambda a: a > 0, rule="> 0"),
-        "lognormal_sigma": Key(float, "partition = 'lognormal': the spread sigma of log client sizes",
-                               check=lambda s: s > 0, rule="> 0"),
+                               "client; large: close to IID)", **interval("(0, 1e6]")),
+        "lognormal_sigma": Key(float, "partition = 'lognormal': the spread sigma of log client sizes (beyond 10, "
+                               "exp of its draws overflows)", **interval("(0, 10]")),
         "clients": Key(int, "number of clients K", check=positive, rule="> 0"),
         "shard_order": Key(str, "partition = 'shards': the order within a label before the cut: 'stable' keeps the "
                            "data set's (or the k-fold shuffle's) order; 'pixels' sorts by the raw image bytes, as "
@@ -106,7 +115,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                     "weight and bias from N(0, init_std^2) ('normal', Nilsson et al.), or TensorFlow's default "
                     "for dense and convolution layers ('glorot': Glorot-uniform weights, zero biases)",
                     choices=("torch", "normal", "glorot")),
-        "init_std": Key(float, "standard deviation of init = 'normal'", check=positive, rule="> 0"),
+        "init_std": Key(float, "standard deviation of init = 'normal'", **interval("(0, 100]")),
     },
     "algorithm": {
         "name": Key(str, "federated algorithm: a built-in's name (fedemu algorithms lists them), an installed "
@@ -114,12 +123,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "C": Key(float, "fraction of clients selected per round", check=fraction, rule="in (0, 1]"),
         "E": Key(int, "local epochs", check=positive, rule="> 0"),
         "B": Key(int, "local minibatch size; 0 = the full local set (B = infinity)", check=non_negative, rule=">= 0"),
-        "lr": Key(float, "learning rate eta", check=positive, rule="> 0"),
-        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", check=non_negative, rule=">= 0"),
+        "lr": Key(float, "learning rate eta", **interval(f"(0, {MAX_LEARNING_RATE:g}]")),
+        "lr_decay": Key(float, "Keras-style decay lambda: lr / (1 + lambda * iterations)", **interval("[0, 1e6]")),
         "lr_round_decay": Key(float, "round-based algorithms: the learning rate of round t is lr * "
                               "lr_round_decay^(t - 1) (McMahan et al.'s CIFAR-10 runs: 0.99); 1 = none",
                               check=lambda g: 0 < g <= 1, rule="in (0, 1]"),
-        "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline", check=non_negative, rule=">= 0"),
+        "deadline_s": Key(float, "emulated seconds a round waits for updates; 0 = no deadline",
+                          **interval(f"[0, {MAX_SECONDS}]")),
         "quorum": Key(int, "minimum updates to aggregate a round", check=positive, rule="> 0"),
         "on_quorum_missed": Key(str, "when a deadline passes below the quorum: skip the round (keep the model), "
                                 "or extend the deadline once by deadline_s and skip if still short",
@@ -131,11 +141,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "eval_every_uploads": Key(int, "asynchronous rules: evaluate every this many uploads", check=positive, rule="> 0"),
         "merge_s": Key(float, "asynchronous rules: emulated seconds the server spends on each upload or fetch "
                        "(merging, and its share of evaluation); requests queue while it is busy, age requests "
-                       "are answered at once; 0 = instantaneous", check=non_negative, rule=">= 0 (emulated seconds)"),
+                       "are answered at once; 0 = instantaneous", **interval(f"[0, {MAX_SECONDS}]")),
         "retry_s": Key(float, "asynchronous rules: emulated seconds a client waits for a reply before it resends "
                        "its request (and the server its AsyncStart), doubling with each resend up to 8x; must "
                        "exceed a model's round trip over the slowest link plus server queueing",
-                       check=positive, rule="> 0 (emulated seconds)"),
+                       **interval(f"(0, {MAX_SECONDS}]")),
     },
 }
 
@@ -272,22 +282,32 @@ def validate(config: dict) -> None:
             value = values[key]
             name = f"{section}.{key}"
             if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
-                value = values[key] = float(value)
+                try:
+                    value = values[key] = float(value)
+                except OverflowError:  # an integer beyond any float
+                    raise ConfigError(f"{name} = {value!r} must be finite") from None
             # bool is an int subclass in Python: only a bool key takes true/false.
             if isinstance(value, bool) != (spec.type is bool) or not isinstance(value, spec.type):
                 raise ConfigError(f"{name} = {value!r} must be {_type_name(spec.type)}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} = {value!r} must be finite")
+            if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+                raise ConfigError(f"{name} = {value!r} is out of range; it must fit an int64 (below 2**63)")
             if spec.choices is not None and value not in spec.choices:
                 raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, spec.choices))}")
             if spec.check is not None and not spec.check(value):
                 raise ConfigError(f"{name} = {value!r} is out of range; it must be {spec.rule}")
+    run = config["run"]
+    if run["heartbeat_timeout_s"] < 2 * run["heartbeat_interval_s"]:
+        raise ConfigError(f"run.heartbeat_timeout_s = {run['heartbeat_timeout_s']:g} must be at least twice "
+                          f"run.heartbeat_interval_s = {run['heartbeat_interval_s']:g}: a node is declared lost "
+                          "after that much silence, and one late heartbeat is not a loss")
     if config["run"]["clock"] == "virtual" and config["run"]["time_scale"] != 1.0:
         raise ConfigError(f"run.time_scale = {config['run']['time_scale']:g} applies to the wall clock only; with "
                           "run.clock = 'virtual' nothing waits on real time (a run takes its compute time), so "
                           "leave it at 1 or set run.clock = 'wall'")
     _check_dataset(config["data"])
-    _check_model(config["model"]["name"])
+    _check_model(config["model"]["name"], config["data"]["dataset"])
     if config["algorithm"]["lr_round_decay"] != 1.0 and not algorithm.synchronous:
         raise ConfigError(f"algorithm.lr_round_decay = {config['algorithm']['lr_round_decay']:g}: "
                           f"{config['algorithm']['name']} has no rounds; use algorithm.lr_decay (per local step)")
@@ -362,13 +382,17 @@ def model_spec(config: dict):
     return models.ModelSpec(model["name"], datasets.get(config["data"]["dataset"]), model["init"], model["init_std"])
 
 
-def _check_model(name: str) -> None:
+def _check_model(name: str, dataset: str) -> None:
+    """model.name exists and takes data.dataset's examples (built and run on a blank batch)."""
     from fedemu.worker.ml import models  # (torch: a plug-in's builder is imported to be checked)
 
     try:
         models.builder(name)
     except models.UnknownModel as exc:
         raise ConfigError(f"model.name: {exc}") from None
+    problem = models.fits(name, dataset)
+    if problem:
+        raise ConfigError(problem)
 
 
 def ineffective_keys(config: dict) -> set[str]:
@@ -457,8 +481,13 @@ def server_settings(config: dict, workers: int, device: str):
         compression=compression.to_dict() if compression.compresses else None,
         over_select=algo["over_select"], on_quorum_missed=algo["on_quorum_missed"], retry_s=algo["retry_s"],
         merge_s=algo["merge_s"], client_log=run["client_log"], device=device, aggregation=run["aggregation"],
-        timeline=run["timeline"], stragglers=network_parts(config)[1],
+        timeline=run["timeline"], stragglers=network_parts(config)[1], node_exit_wait_s=NODE_EXIT_WAIT_S,
     )
+
+
+# The launcher records how each worker node's process ended within a fraction of a second
+# (it polls them every 0.25 s); a server that sees a node lost waits this long for it.
+NODE_EXIT_WAIT_S = 2.0
 
 
 def broker_network_file(config: dict) -> dict:

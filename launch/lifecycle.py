@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,17 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+class StopRequest(threading.Event):
+    """Set when the processes this one runs (a sweep's points) must stop; ``signum`` is
+    the signal that asked, which they are stopped with and their summaries name."""
+
+    signum: int = signal.SIGINT
+
+    def request(self, signum: int) -> None:
+        self.signum = signum
+        self.set()
+
+
 def raise_on_stop_signals() -> dict:
     """Make SIGTERM and SIGHUP stop this launcher as Ctrl-C does (raising Interrupted);
     returns the previous handlers, for restore_signals."""
@@ -42,8 +54,23 @@ def raise_on_stop_signals() -> dict:
     return previous
 
 
+_received: list[int] = []  # the stop signals this process was sent, in order
+
+
 def _raise_interrupted(signum: int, _frame) -> None:
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def stop_signal_received() -> int | None:
+    """The first stop signal this process got through raise_on_stop_signals, if any."""
+    return _received[0] if _received else None
+
+
+def exit_code_for(signum: int) -> int:
+    """The exit code of a command stopped by ``signum``, as a shell reports a process
+    killed by it: 130 for SIGINT (Ctrl-C), 143 for SIGTERM, 129 for SIGHUP."""
+    return 128 + signum
 
 
 def restore_signals(previous: dict) -> None:
@@ -64,13 +91,10 @@ def stop_reason(signum: int) -> str:
             signal.SIGHUP: "hung up (SIGHUP: the terminal or session closed)"}.get(signum, f"stopped by {name}")
 
 
-def interrupted_exit_code(reason: str | None, signum: int | None = None) -> int:
-    """The exit code of a launch or sweep a stop signal ended: 128 + the signal's number,
-    as a shell reports a process the signal killed (130 for Ctrl-C); the signal is
-    ``signum``, else the one a summary's reason names, else SIGINT."""
-    if signum is None:
-        signum = next((sig for sig in STOP_SIGNALS if signal.Signals(sig).name in (reason or "")), signal.SIGINT)
-    return 128 + int(signum)
+def signal_named(reason: str | None) -> int:
+    """The stop signal a summary's reason names (SIGINT if none): what stopped a run whose
+    launcher did not get the signal itself."""
+    return next((sig for sig in STOP_SIGNALS if signal.Signals(sig).name in (reason or "")), signal.SIGINT)
 
 
 def child_env() -> dict:
@@ -146,6 +170,75 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
+
+
+# What the signals that end a process without its asking mean, most often, for a node.
+_SIGNAL_CAUSES = {
+    signal.SIGBUS: "a memory-mapped file, such as the data cache, was cut short under it",
+    signal.SIGABRT: "aborted in native code, most often out of memory",
+    signal.SIGSEGV: "a crash in native code",
+}
+
+
+def exit_cause(returncode: int, last_line: str = "", oom_kills: int = 0) -> str:
+    """How a node process ended, for its clients' ``fault`` events and the summary:
+    the signal and what it most often means, or the exit code and the last line it
+    printed (``last_line``); a SIGKILL while the kernel's OOM killer killed
+    (``oom_kills`` > 0, see OomKills) is put down to it."""
+    how = describe_exit(returncode)
+    if returncode == -signal.SIGKILL and oom_kills:
+        return f"{how} (the kernel's OOM killer: {oom_kills} OOM kill(s) meanwhile)"
+    if returncode < 0 and -returncode in _SIGNAL_CAUSES:
+        return f"{how} ({_SIGNAL_CAUSES[-returncode]})"
+    if returncode > 0 and last_line:
+        return f"{how}: {last_line}"
+    return how
+
+
+class OomKills:
+    """The kernel's count of processes its OOM killer killed, read when made and again
+    at ``since()``: in this process's memory cgroup (v2 ``memory.events``, v1
+    ``memory.oom_control``), where the kernel keeps one, else the whole system's
+    (``/proc/vmstat``). Its children share the cgroup unless moved."""
+
+    def __init__(self) -> None:
+        self.path = _oom_counter_path()
+        self.start = self._read()
+
+    def _read(self) -> int | None:
+        if self.path is None:
+            return None
+        try:
+            for line in Path(self.path).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def since(self) -> int:
+        """OOM kills since this object was made (0 where the count cannot be read)."""
+        now = self._read()
+        return now - self.start if now is not None and self.start is not None else 0
+
+
+def _oom_counter_path() -> str | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2, the unified hierarchy
+            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
+        elif "memory" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
+        else:
+            continue
+        if candidate.exists():
+            return str(candidate)
+    return "/proc/vmstat" if Path("/proc/vmstat").exists() else None
 
 
 class DirectoryInUse(RuntimeError):

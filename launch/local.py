@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fedemu.server.runlog import RESERVE, SUMMARY, RunLogError, write_error, write_json_atomically
+from fedemu.server.runlog import (RESERVE, SUMMARY, RunLogError, read_events, write_error,
+                                  write_json_atomically, write_node_exit)
 
 from . import config as configuration
-from .lifecycle import child_env, describe_exit, stop_reason
+from .lifecycle import STOP_SIGNALS, OomKills, child_env, describe_exit, exit_cause, stop_reason
 from .progress import EventTail
 from .rundir import LaunchError, write_run_file
 
@@ -43,6 +44,9 @@ class LocalRun:
         self._events = EventTail(run_dir)
         self.broker_died: str | None = None  # how the broker process ended, if before the server
         self.interrupted_by: int | None = None  # the stop signal (or Ctrl-C) this launcher got
+        self.oom_kills = OomKills()  # what the kernel's OOM killer does meanwhile: a SIGKILL's likely cause
+        self._exits_recorded: set[str] = set()
+        self._faults_shown = _FaultLines(echo)
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         try:
@@ -146,26 +150,44 @@ class LocalRun:
             self.check_hosts()
             time.sleep(0.25)
         self._print_new_events()
+        self._faults_shown.flush()
         self.check_exits(reported)
         return self.summary()
 
     def check_exits(self, reported: set[str]) -> None:
         """Say which process of the run died, and how; a dead broker is the run's end."""
         for name, proc in self.procs.items():
+            if name.startswith("worker-") and name not in self._exits_recorded and proc.poll() is not None:
+                self._exits_recorded.add(name)
+                self.record_exit(name, proc.returncode)
             if name != "server" and name not in reported and proc.poll() not in (None, 0):
                 reported.add(name)  # the server sees its clients DOWN; the user sees why
                 self.echo(f"warning: {name} {describe_exit(proc.returncode)}: {self._tail(name)}")
                 if name == "broker" and self.procs["server"].poll() is None:
-                    self.broker_died = describe_exit(proc.returncode)
+                    self.broker_died = exit_cause(proc.returncode, oom_kills=self.oom_kills.since())
+
+    def record_exit(self, node: str, returncode: int) -> None:
+        """Tell the server how a worker node's process ended (runlog.NODE_EXIT): its
+        clients' faults and the summary then name the cause (a signal, the OOM killer,
+        the node's own last word), not only ``noconnection``."""
+        how = exit_cause(returncode, last_line(self.run_dir / "logs" / f"{node}.out"), self.oom_kills.since())
+        try:
+            write_node_exit(self.run_dir, node, how)
+        except RunLogError as exc:
+            self.echo(f"warning: {exc}")
 
     def check_hosts(self) -> None:
         """Report a lost host; a hook for runs with nodes on other machines."""
 
     def _print_new_events(self) -> None:
         for event in self._events.new():
-            self.echo(format_event(event, self.config["run"]["rounds"]))
             if self.on_event is not None:
                 self.on_event(event)
+            if event["event"] == "fault":
+                self._faults_shown.add(event)
+                continue
+            self._faults_shown.flush()
+            self.echo(format_event(event, self.config["run"]["rounds"]))
 
     def summary(self) -> dict:
         path = self.run_dir / SUMMARY
@@ -180,15 +202,23 @@ class LocalRun:
             if server is not None and server.poll() is None:
                 return {"status": "failed", "reason": "the server node did not finish"}
             # The server node died (killed, crashed) or never started: record that in the
-            # run directory too, so tools that read summary.json see a failed run.
-            if self.interrupted_by is not None and (server is None or server.returncode in (
-                    -self.interrupted_by, 1, 128 + self.interrupted_by)):
-                # Stopped before its server could write a summary (still starting up: the
-                # signal's default action ended it): interrupted, as the sweep's index says.
-                summary = {"status": "interrupted",
-                           "reason": f"{stop_reason(self.interrupted_by)}, before the run started"}
+            # run directory too, so tools that read summary.json see a failed run, or an
+            # interrupted one if a stop signal (to this launcher, or to the server while it
+            # started up, before its handlers) is why.
+            stopped_by = self.interrupted_by
+            if stopped_by is None and server is not None and -server.returncode in STOP_SIGNALS:
+                stopped_by = -server.returncode
+            if stopped_by is not None:
+                started = any(e["event"] == "start" for e in read_events(self.run_dir))
+                how = describe_exit(server.returncode) if server is not None else "it never started"
+                summary = {"status": "interrupted", "reason": f"{stop_reason(stopped_by)}, before the run started"
+                           if not started else f"{stop_reason(stopped_by)}; the server node ended ({how}) "
+                           "without a summary"}
             else:
-                how = describe_exit(server.returncode) if server is not None else "never started"
+                # A signal with what it most often means (the OOM killer's SIGKILL, say); an
+                # exit code's cause is in the output's tail.
+                how = ("never started" if server is None else describe_exit(server.returncode)
+                       if server.returncode >= 0 else exit_cause(server.returncode, oom_kills=self.oom_kills.since()))
                 summary = {"status": "failed", "reason": f"the server node ended ({how}) without a summary: "
                            f"{self._tail('server')}"}
         elif self.broker_died and summary.get("status") == "failed":
@@ -217,7 +247,7 @@ class LocalRun:
     def _tail(self, name: str, lines: int = 5) -> str:
         path = self.run_dir / "logs" / f"{name}.out"
         text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
-        return " | ".join(text[-lines:]) or "(no output)"
+        return " | ".join(text[-lines:]) or f"(no output{_full_disk_note(self.run_dir)})"
 
     def interrupt(self, signum: int = signal.SIGINT) -> None:
         """Ask the server to stop the run; it says in the summary which signal it was."""
@@ -228,7 +258,12 @@ class LocalRun:
     def stop(self, grace: float = 15.0) -> None:
         """Let every process exit on its own, then terminate, then kill: no strays."""
         server = self.procs.get("server")
-        if server is not None and server.poll() is not None and server.returncode < 0:
+        if self.interrupted_by is not None:
+            # Stopped: the server has told the nodes to leave (a second is plenty), or died
+            # of the signal while it started up, or never started: nobody will, so at once.
+            told = server is not None and server.poll() is not None and server.returncode >= 0
+            grace = min(grace, 1.0 if told else 0.0)
+        elif server is not None and server.poll() is not None and server.returncode < 0:
             grace = min(grace, 3.0)  # the server was killed: nobody told the nodes to leave
         deadline = time.monotonic() + grace  # wall
         for name, proc in sorted(self.procs.items(), key=lambda item: item[0] == "broker"):
@@ -247,6 +282,58 @@ class LocalRun:
                 proc.wait()
         if self.socket_dir is not None:  # the broker has gone: nothing listens there now
             shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _full_disk_note(run_dir: Path) -> str:
+    """Why a process that failed may have printed nothing: its output file is on the
+    run directory's file system, and that is full."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    return f"; the file system of {run_dir} is full: {free:,} bytes free" if free < FULL_DISK_BYTES else ""
+
+
+# A file system with less room than this holds no line of a process's output or its summary.
+FULL_DISK_BYTES = 64 * 1024
+
+
+def last_line(path: Path) -> str:
+    """The last line a process printed (its cause of death, when it names one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+class _FaultLines:
+    """The console's fault lines: each of the first few of a burst (a lost node takes
+    thousands of clients with it), then one line counting the rest by round and reason."""
+
+    SHOWN = 5
+
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        self.echo = echo
+        self.key: tuple | None = None
+        self.count = 0
+
+    def add(self, event: dict) -> None:
+        key = (event.get("round"), event.get("reason"))
+        if key != self.key:
+            self.flush()
+            self.key = key
+        self.count += 1
+        if self.count <= self.SHOWN:
+            self.echo(format_event(event, 0))
+
+    def flush(self) -> None:
+        if self.count > self.SHOWN:
+            round_, reason = self.key
+            self.echo(f"fault: {self.count - self.SHOWN:,} more clients lost in round {round_} ({reason})")
+        self.key, self.count = None, 0
 
 
 def format_event(event: dict, rounds: int) -> str:
@@ -284,7 +371,10 @@ def format_event(event: dict, rounds: int) -> str:
     if kind == "end":
         done = (f"{event['evaluations']} evaluations ({event.get('uploads')} uploads)" if "evaluations" in event
                 else f"{event['rounds']} rounds")
-        return f"end: {event['status']} after {done} ({event['reason']})"
+        line = f"end: {event['status']} after {done} ({event['reason']})"
+        if event.get("aggregations") == 0:
+            line += "\nwarning: nothing was aggregated: the final model is the initial one"
+        return line
     return f"{kind}: " + ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("event",))
 
 

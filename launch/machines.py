@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fedemu.server.runlog import RunLogError, write_node_exit
 from fedemu.worker.client import placement
 
 from .agent import code_digest, fedemu_version
 from .hosts import Host, ssh_argv
 from . import config as configuration
-from .local import LocalRun
+from .lifecycle import exit_cause
+from .local import LocalRun, last_line
 from .rundir import LaunchError
 
 PREFLIGHT_TIMEOUT_S = 600  # a first fetch of the data set on a host may take minutes
@@ -161,6 +163,15 @@ class RemoteHost:
                     self.pids[name] = int(text)
                 elif kind == "exit":
                     self.exits[name] = int(text)
+                    if name in logs:
+                        logs[name].flush()
+                    # How it ended, for the server's faults (runlog.NODE_EXIT); the host's OOM
+                    # counter is not seen from here.
+                    try:
+                        write_node_exit(self.run_dir, name,
+                                        exit_cause(int(text), last_line(self.run_dir / "logs" / f"{name}.out")))
+                    except RunLogError as exc:
+                        self.echo(f"warning: {exc}")
                     if int(text) != 0:
                         self.echo(f"warning: {name} on {self.host} exited with code {text}")
                 elif kind == "error":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedemu.node import Broker, Node
+from fedemu.node import Broker, Node, NodeError
 from fedemu.node.net.links import NetworkSpec
 
 from .lifecycle import STOP_SIGNALS, parent_died, stop_reason
@@ -55,9 +55,9 @@ def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float,
                     token=_token(token_file), controllers=controllers,
                     **({"keys": _keys(keys_file)} if keys_file else {}))
     if endpoint_file is not None:
-        tmp = endpoint_file.with_suffix(".tmp")
-        tmp.write_text(broker.endpoint + "\n")
-        os.replace(tmp, endpoint_file)  # readers never see half an address
+        from fedemu.server.runlog import write_text_atomically
+
+        write_text_atomically(endpoint_file, broker.endpoint + "\n")  # readers never see half an address
     print(broker.endpoint, flush=True)
     stopped_by: list[int] = []
 
@@ -98,9 +98,11 @@ def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, p
           token_file: Path | None = None) -> Node:
     run = config["run"]
     secured = {"keys": _keys(keys_file)} if keys_file else {}
+    # exit_on_failure: a node whose own machinery fails (out of memory) ends its process,
+    # which its launcher sees and names (Node._fail).
     return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
                 heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, pool_nice=pool_nice,
-                token=_token(token_file), **secured).start()
+                token=_token(token_file), exit_on_failure=True, **secured).start()
 
 
 def _set_torch_threads(config: dict, workers: int) -> None:
@@ -225,14 +227,30 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     run_data, shards = split.run_data(data_spec(config))
     node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"],
                  token_file=token_file)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        stopped_by.append(signum)
+        threading.Thread(target=node.close, args=(stop_reason(signum),), daemon=True).start()
+
     for sig in STOP_SIGNALS:
         # The server decides when the run ends; a worker only leaves when told, or
         # when its node is closed (broker lost, shutdown, a signal).
-        signal.signal(sig, lambda signum, _: threading.Thread(
-            target=node.close, args=(stop_reason(signum),), daemon=True).start())
-    host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
-                 model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
-                 stragglers=stragglers, compute=compute_model(config),
-                 restarts=config["run"]["restart_clients"], device=device)
+        signal.signal(sig, stop)
+    try:
+        host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
+                     model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
+                     stragglers=stragglers, compute=compute_model(config),
+                     restarts=config["run"]["restart_clients"], device=device)
+    except (NodeError, TimeoutError):
+        if not node.closed.is_set():
+            raise
+        # Closed while it started up (a stop signal, the broker lost): how it closed is its end.
     node.wait()
+    if stopped_by:  # die of the signal, once closed: the launcher then names what stopped this node
+        signal.signal(stopped_by[0], signal.SIG_DFL)
+        os.kill(os.getpid(), stopped_by[0])
+    if node.failure:  # the last line of its output: what the launcher reports as its cause
+        print(f"fedemu: node {node.name} failed: {node.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0

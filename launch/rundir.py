@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from fedemu.server.runlog import EVENTS, write_error
+from fedemu.server.runlog import EVENTS, RunLogError, write_text_atomically
 
 from .lifecycle import DirectoryInUse, DirLock
 
@@ -24,7 +24,7 @@ def make_run_dir(config: dict, out: str | Path | None) -> tuple[Path, DirLock]:
     except DirectoryInUse as exc:
         raise LaunchError(str(exc)) from None
     except OSError as exc:
-        raise LaunchError(str(write_error(run_dir, exc))) from None
+        raise LaunchError(str(RunLogError(exc.errno, f"cannot write {run_dir}: {exc.strerror or exc}"))) from None
     if (run_dir / EVENTS).exists():
         lock.close()
         raise LaunchError(f"{run_dir} already holds a run ({EVENTS}); choose another --out")
@@ -45,8 +45,9 @@ def new_run_dir(config: dict) -> Path:
 
 
 def write_run_file(path: Path, text: str) -> None:
-    """A file the launcher writes into the run directory; a write error names it."""
+    """A file the launcher writes into the run directory, whole or not at all (a full disk
+    leaves no half-written file); a write error names it."""
     try:
-        path.write_text(text)
-    except OSError as exc:
-        raise LaunchError(str(write_error(path, exc))) from None
+        write_text_atomically(path, text)
+    except RunLogError as exc:
+        raise LaunchError(str(exc)) from None

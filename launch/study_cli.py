@@ -2,13 +2,14 @@
 the main group at the end of cli.py)."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 import click
 
 from .host_options import ssh_machine_options
-from .lifecycle import raise_on_stop_signals
+from .lifecycle import exit_code_for, raise_on_stop_signals
 
 
 @click.command()
@@ -68,10 +69,8 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     except (SweepError, DatasetError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt as exc:
-        from .lifecycle import interrupted_exit_code
-
         click.echo("sweep interrupted; run the same command again to resume it")
-        sys.exit(interrupted_exit_code(None, getattr(exc, "signum", None)))
+        sys.exit(exit_code_for(getattr(exc, "signum", signal.SIGINT)))
     if dry_run:
         return
     click.echo("sweep: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .lifecycle import DirectoryInUse, DirLock
+from .lifecycle import DirectoryInUse, DirLock, StopRequest
 from .sweep_index import DB_FILE, Index, now, summary_fields
 from .sweep_layout import Layout, plan
 from .progress import SweepProgress
@@ -79,7 +79,7 @@ def run_sweep(spec: Spec, *, parallel: int | None = None, workers_per_point: int
         _recover(index, sweep_dir, spec.target, echo)
         progress = SweepProgress(echo, bar=None if live else False)
         try:
-            return _run(spec, points, index, sweep_dir, layout, progress, stop or threading.Event())
+            return _run(spec, points, index, sweep_dir, layout, progress, stop or StopRequest())
         finally:
             progress.close()
 
@@ -183,7 +183,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                 progress_view.finish(pid)
                 if box["hosts"] is not None:
                     free_hosts.append(box["hosts"])
-                _finish(p, box, index, sweep_dir, spec.target, progress, stop, echo, len(running), parallel)
+                _finish(p, box, index, sweep_dir, spec.target, progress, echo, len(running), parallel)
             if stop.is_set() and not running:
                 break
             if time.monotonic() - last_line > 60:  # wall: a heartbeat while long points run
@@ -193,14 +193,16 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                     for line in progress_view.lines():
                         echo(line)
             time.sleep(0.2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(stop, StopRequest):  # the points are stopped by the same signal, and say so
+            stop.request(getattr(exc, "signum", signal.SIGINT))
         stop.set()
         echo(f"stopping: interrupting {len(running)} running point(s) ...")
         previous = signal.signal(signal.SIGINT, lambda *_: echo("still stopping the running points ..."))
         try:
             for pid, (thread, box, p) in list(running.items()):
                 thread.join()
-                _finish(p, box, index, sweep_dir, spec.target, progress, stop, echo, 0, parallel)
+                _finish(p, box, index, sweep_dir, spec.target, progress, echo, 0, parallel)
         finally:
             signal.signal(signal.SIGINT, previous)
         raise
@@ -249,12 +251,14 @@ def new_attempt(sweep_dir: Path, point_id: str, row: dict) -> tuple[Path, int]:
 
 
 def _finish(p: Point, box: dict, index: Index, sweep_dir: Path, target: float, progress: Progress,
-            stop: threading.Event, echo, running: int, parallel: int) -> None:
+            echo, running: int, parallel: int) -> None:
     summary = box.get("summary") or {"status": "failed", "reason": "the point runner ended without a summary"}
     run_dir = sweep_dir / "runs" / p.id
+    # As its summary.json says (a point stopped while it started up says "interrupted" there
+    # too, launcher.LocalRun.summary): the index and the run directory agree.
     status = summary.get("status", "failed")
-    if status not in ("completed", "failed") or status == "failed" and stop.is_set():
-        status = "interrupted"  # stopped by the user, even if it died of the stop
+    if status not in ("completed", "failed", "interrupted"):
+        status = "failed"
     fields = summary_fields(run_dir, summary, target) if (run_dir / "config.toml").exists() else {
         "reason": summary.get("reason")}
     index.update(p.id, status=status, finished_at=now(), **fields)

@@ -53,10 +53,11 @@ def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: thread
             while server.poll() is None:
                 run.check_exits(reported)
                 if stop.is_set() and time.monotonic() - last > 2:  # wall
-                    # The server writes an "interrupted" summary and stops the nodes. Again
+                    # The server writes an "interrupted" summary and stops the nodes (one
+                    # still starting up dies of the signal: the summary is then ours). Again
                     # every 2 s: a server still starting up may not have its handler yet.
-                    run.interrupted_by = signal.SIGINT
-                    run.interrupt()
+                    run.interrupted_by = getattr(stop, "signum", signal.SIGINT)
+                    run.interrupt(run.interrupted_by)
                     asked, last = asked or time.monotonic(), time.monotonic()  # wall
                 if asked is not None and time.monotonic() - asked > 30:  # wall
                     break  # run.stop() below terminates what is left

@@ -184,8 +184,8 @@ def run_task(folder: Path, env: dict | None = None) -> int:
     re-submits what is left."""
     import os
     import signal
-    import threading
 
+    from .lifecycle import StopRequest
     from .slurm import Allocation
     from .sweep_point import run_point
 
@@ -195,9 +195,9 @@ def run_task(folder: Path, env: dict | None = None) -> int:
         print("sweep-task runs as a Slurm array task (SLURM_ARRAY_TASK_ID is not set)", file=sys.stderr)
         return 2
     batch = json.loads((folder / "points" / f"{task}.json").read_text())
-    stop = threading.Event()
+    stop = StopRequest()
     for sig in (signal.SIGTERM, signal.SIGINT):  # scancel, a time limit: the point stops in order
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: stop.request(signum))
     completed = 0
     for point in batch:
         if stop.is_set():

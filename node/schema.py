@@ -5,6 +5,8 @@ so one validator can name any bad key and what it accepts. It lives at the botto
 layer because every layer above may declare options."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,3 +35,35 @@ def fraction(x: Any) -> bool:
 
 def unit_interval(x: Any) -> bool:
     return 0 <= x <= 1
+
+
+# The largest learning rate or step size a key may hold: no published rate comes near it,
+# and beyond it a step overflows float32 long before it learns anything.
+MAX_LEARNING_RATE = 1000.0
+
+# Every integer key holds a count or an id that numpy and the wire keep in an int64.
+INT64 = (-2**63, 2**63 - 1)
+
+
+def interval(text: str) -> dict[str, Any]:
+    """A Key's ``check`` and ``rule`` for the interval ``text`` in the usual notation,
+    ``"(0, 1000]"``, ``"[0.01, 60]"``, ``"[0, 2**63)"`` (bounds are Python literals, or
+    ``2**N``): ``Key(float, "...", **interval("(0, 1000]"))``."""
+    match = re.fullmatch(r"\s*([\[(])\s*([^,]+?)\s*,\s*([^\])]+?)\s*([\])])\s*", text)
+    if match is None:
+        raise ValueError(f"not an interval: {text!r}")
+    opening, low, high, closing = match.groups()
+    lo, hi = _bound(low), _bound(high)
+
+    def check(x: Any) -> bool:
+        return (lo < x if opening == "(" else lo <= x) and (x < hi if closing == ")" else x <= hi)
+
+    return {"check": check, "rule": f"in {opening}{low}, {high}{closing}"}
+
+
+def _bound(text: str) -> float:
+    power = re.fullmatch(r"2\*\*(\d+)", text)
+    value = 2 ** int(power.group(1)) if power else float(text)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"an interval's bounds are finite, not {text!r}")
+    return value

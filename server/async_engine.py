@@ -108,6 +108,7 @@ class AsyncEngine(Engine):
             over_active=getattr(self.rule, "over_active", ""), asks_age=self.rule.age_filter is not None,
             uploads_delta=self.rule.uploads_delta, compression=s.compression if self.codec else None,
             retry_s=s.retry_s, model=1)  # each client's first model from this server (see _send_model)
+        self.totals.asked.update(ks)
         for k in ks:
             self.ages[k] = self.rule.client_age_start
             self.doing[k] = "training"
@@ -207,9 +208,9 @@ class AsyncEngine(Engine):
             if any(queued.body.client == k for queued in self._queue):  # a dead client's request goes unserved
                 self._queue = collections.deque(q for q in self._queue if q.body.client != k)
             if not self.live:
-                cause = "every client is gone: nothing can upload again"
+                cause = self._every_client_lost()
                 self.runlog.event("deadlock", round=self._evaluation, cause=cause)
-                return "failed", f"deadlock: {cause}"
+                return "failed", cause
         elif isinstance(body, AgeRequest):
             self.age_requests += 1
             # Answered at once, even while the server is busy: Nilsson et al.'s server
@@ -248,6 +249,7 @@ class AsyncEngine(Engine):
         staleness = self.age - body.age
         self.weights, self.age, merged = self.rule.merge(self.weights, self.age, body)
         self._merges += merged
+        self.totals.aggregations += merged
         self.ages[body.client] = self.age
         self.doing[body.client] = f"uploaded (staleness {staleness})"
         self._reply_model(proc, msg)
@@ -319,6 +321,10 @@ class AsyncEngine(Engine):
         upload.update = delta if upload.is_delta else (self.bases[k] + delta).astype(np.float32)
         upload.encoded = None
         return True
+
+    def _what_became_of_the_replies(self) -> str:
+        t = self.totals
+        return f"{t.uploads:,} uploads, none merged; {len(t.faults):,} clients lost"
 
     def _all_over_active(self) -> bool:
         return bool(self.live) and all(self.age - self.ages[k] < self.rule.age_filter[0] for k in self.live)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from fedemu.node.schema import Key, fraction, non_negative, positive
+from fedemu.node.schema import MAX_LEARNING_RATE, Key, fraction, interval, non_negative, positive
 from fedemu.worker.protocol import OVER_ACTIVE, Upload
 
 from .algorithm import Algorithm, Finding, register
@@ -115,8 +115,8 @@ class FedAsync(AsyncRule):
         "alpha": Key(float, "FedAsync mixing weight", check=fraction, rule="in (0, 1]", default=0.6),
         "staleness": Key(str, "FedAsync staleness function", choices=("constant", "polynomial", "hinge"),
                          default="polynomial"),
-        "staleness_a": Key(float, "FedAsync staleness parameter a", check=non_negative, rule=">= 0", default=0.5),
-        "staleness_b": Key(float, "FedAsync hinge parameter b", check=non_negative, rule=">= 0", default=4.0),
+        "staleness_a": Key(float, "FedAsync staleness parameter a", **interval("[0, 100]"), default=0.5),
+        "staleness_b": Key(float, "FedAsync hinge parameter b", **interval("[0, 1e9]"), default=4.0),
     }
 
     def __init__(self, alpha: float, staleness: str, a: float, b: float) -> None:
@@ -142,7 +142,8 @@ class FedBuff(AsyncRule):
     uploads_delta = True
     options = {
         "buffer_size": Key(int, "FedBuff: uploads per aggregation", check=positive, rule="> 0", default=10),
-        "server_lr": Key(float, "FedBuff server learning rate", check=positive, rule="> 0", default=1.0),
+        "server_lr": Key(float, "FedBuff server learning rate", **interval(f"(0, {MAX_LEARNING_RATE:g}]"),
+                         default=1.0),
     }
 
     def __init__(self, buffer_size: int, server_lr: float) -> None:

@@ -38,6 +38,7 @@ from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainRe
                                     as_pid_map, update_problem)
 
 from .algorithm import aggregation_problem
+from .outcome import NodeExits, losses, nothing_aggregated
 from .runlog import CLIENTS, RunLog, RunLogError
 from .strategies import Replies, Strategy, selected_per_round
 from .timeline import CLIENT_COLUMNS, OUTCOMES, ClientRound, Facts, Timeline
@@ -89,6 +90,9 @@ class Settings:
     # The clients' straggler factors, as the worker nodes draw them: the round event gives
     # each selected client's, whether or not its reply came.
     stragglers: StragglerSpec | StragglerGroups = field(default_factory=StragglerSpec)
+    # Wall seconds to wait for the launcher's word on how a lost worker node's process ended
+    # (outcome.NodeExits); 0: nobody gives it.
+    node_exit_wait_s: float = 0.0
 
     @property
     def per_round(self) -> int:
@@ -101,6 +105,9 @@ class _Totals:
     bytes_down: int = 0
     rounds: int = 0
     uploads: int = 0
+    aggregations: int = 0  # model updates applied: rounds that aggregated, or merges
+    asked: set = field(default_factory=set)  # clients ever asked to train (or started)
+    straggled: int = 0  # replies past a deadline, over all rounds
     accuracy: float | None = None
     best_accuracy: float | None = None
     reached_target_round: int | None = None
@@ -119,6 +126,7 @@ class Engine:
                       if settings.compression else None)
         self.data = data
         self.runlog = runlog
+        self.node_exits = NodeExits(runlog.run_dir, settings.node_exit_wait_s)
         self.pids: dict[int, Pid] = {}
         self.sums: dict[str, Pid] = {}  # worker node -> its NodeSums (aggregation on the nodes)
         self.client_of: dict[Pid, int] = {}
@@ -195,11 +203,14 @@ class Engine:
             status, reason = "failed", str(exc)
         except Exception as exc:
             status, reason = self._failure(proc, exc)
+        if not self.totals.aggregations and status == "completed":
+            status, reason = nothing_aggregated(reason, self.totals.asked, self.totals.faults,
+                                                self._what_became_of_the_replies())
         if self.runlog.failed is None:
             self._last_of_the_timeline(proc)
             try:
                 self.runlog.event("end", status=status, reason=reason, rounds=self.totals.rounds,
-                                  uploads=self.totals.uploads,
+                                  uploads=self.totals.uploads, aggregations=self.totals.aggregations,
                                   **({} if self.synchronous else {"evaluations": self.totals.rounds}))
             except RunLogError as exc:
                 log.error("%s", exc)
@@ -216,6 +227,7 @@ class Engine:
             weights_sha256=hashlib.sha256(np.ascontiguousarray(self.weights, dtype=np.float32).tobytes()).hexdigest(),
             rounds=self.totals.rounds,
             uploads=self.totals.uploads,
+            aggregations=self.totals.aggregations,  # 0: the final model is the initial one
             final_accuracy=self.totals.accuracy,
             best_accuracy=self.totals.best_accuracy,
             target_accuracy=self.settings.target_accuracy or None,
@@ -257,11 +269,28 @@ class Engine:
         """What the server is waiting for, in words (for a deadlock's cause)."""
         raise NotImplementedError
 
+    def _what_became_of_the_replies(self) -> str:
+        """For a run that aggregated nothing: what its clients' replies came to."""
+        t = self.totals
+        return (f"{t.uploads:,} replies in time, {t.straggled:,} after the deadline, {len(t.faults):,} clients lost, "
+                f"over {t.rounds:,} rounds")
+
+    def _every_client_lost(self) -> str:
+        """The reason of a run that has no client left."""
+        return f"every client is lost: {losses(self.totals.faults)}"
+
     def _await_workers(self, proc: ThreadProcess) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s  # wall: real processes starting
         ready_nodes: dict[str, int] = {}
         while len(ready_nodes) < self.settings.workers:
-            msg = self._receive(proc, (WorkerReady,), wall_timeout=deadline - time.monotonic())  # wall
+            # In slices: a worker node that died starting (out of memory, say) ends the wait.
+            msg = self._receive(proc, (WorkerReady,), wall_timeout=min(0.5, deadline - time.monotonic()))  # wall
+            if msg is TIMEOUT and time.monotonic() < deadline:  # wall
+                gone = self.node_exits.gone([f"worker-{i}" for i in range(self.settings.workers)
+                                             if f"worker-{i}" not in ready_nodes])
+                if gone is not None:
+                    raise _Stopped("failed", f"worker node {gone[0]} ended before it reported ({gone[1]})")
+                continue
             if msg is TIMEOUT:
                 raise _Stopped("failed", (
                     f"only {len(ready_nodes)} of {self.settings.workers} worker nodes reported "
@@ -323,9 +352,12 @@ class Engine:
         if k is None or k not in self.live or self.pids[k] != down.pid:  # not the client's current pid
             return None
         self.live.discard(k)
-        fault = self.runlog.event("fault", round=round_, client=k, pid=str(down.pid), reason=down.reason)
+        reason = self.node_exits.reason(down.reason, down.pid.node)
+        # A lost node's clients come as a burst of DOWNs: one fsync for the burst.
+        more = getattr(proc, "has_message", None) is not None and proc.has_message(Down)
+        fault = self.runlog.event("fault", sync=not more, round=round_, client=k, pid=str(down.pid), reason=reason)
         self.totals.faults.append(fault)
-        log.warning("client %d lost in round %d: %s", k, round_, down.reason)
+        log.warning("client %d lost in round %d: %s", k, round_, reason)
         return k
 
     def _rejoin(self, proc: ThreadProcess, msg, round_: int) -> list[int]:
@@ -413,9 +445,9 @@ class RoundEngine(Engine):
             self._rejoin_waiting(proc, round_)
             if len(self.live) < s.quorum:
                 cause = (f"{len(self.live)} live clients, fewer than the quorum of {s.quorum}: "
-                         "no round can aggregate again")
+                         f"no round can aggregate again; {losses(self.totals.faults)}")
                 self.runlog.event("deadlock", round=round_, cause=cause, live=len(self.live))
-                return "failed", f"deadlock: {cause}"
+                return "failed", self._every_client_lost() if not self.live else f"deadlock: {cause}"
             started = time.monotonic()  # wall
             round_started = proc.now()  # emulated
             proc.node.announce_round(round_, by=proc.pid)
@@ -428,10 +460,13 @@ class RoundEngine(Engine):
                     candidates, size=m, replace=False))
             # Over-selection: a phase closes once m replies are in.
             book = _RoundBook(selected, target=s.per_round if self.over_select else None)
+            self.totals.asked.update(selected)
             new_weights = self.strategy.run_round(
                 lambda task, lr, **extra: self._phase(proc, round_, book, task, lr, **extra), self.weights, round_)
+            self.totals.straggled += len(book.stragglers)
             if new_weights is not None:
                 self.weights = new_weights
+                self.totals.aggregations += 1
             accuracy = loss = None
             if round_ % s.eval_every == 0 or round_ == s.rounds:
                 accuracy, loss = self._evaluate()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedemu.node.schema import Key, positive
+from fedemu.node.schema import MAX_LEARNING_RATE, Key, interval
 from fedemu.worker.protocol import TRAIN
 
 from .algorithm import register
@@ -31,12 +31,12 @@ def _beta(x) -> bool:
 
 OPTIONS = {
     "eta": Key(float, "FedAdam/FedYogi: the server's learning rate eta (the clients' is lr, the paper's eta_l)",
-               check=positive, rule="> 0", default=0.01),
+               **interval(f"(0, {MAX_LEARNING_RATE:g}]"), default=0.01),
     "beta1": Key(float, "FedAdam/FedYogi: decay of the first moment", check=_beta, rule="in [0, 1)", default=0.9),
     "beta2": Key(float, "FedAdam/FedYogi: decay of the second moment", check=_beta, rule="in [0, 1)",
                  default=0.99),
-    "tau": Key(float, "FedAdam/FedYogi: adaptivity tau, added to sqrt(v); v starts at tau^2", check=positive,
-               rule="> 0", default=1e-3),
+    "tau": Key(float, "FedAdam/FedYogi: adaptivity tau, added to sqrt(v); v starts at tau^2",
+               **interval("(0, 1000]"), default=1e-3),
 }
 
 

@@ -10,7 +10,7 @@ here a straggler is one that misses the round's deadline.
 """
 from __future__ import annotations
 
-from fedemu.node.schema import Key, non_negative
+from fedemu.node.schema import Key, interval
 from fedemu.worker.protocol import TRAIN
 
 from .algorithm import register
@@ -22,7 +22,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     label = "FedProx"
     options = {"mu": Key(float, "FedProx: weight mu of the proximal term mu/2 ||w - w_t||^2 in each client's "
-                         "objective (0: FedAvg)", check=non_negative, rule=">= 0", default=0.01)}
+                         "objective (0: FedAvg)", **interval("[0, 1e6]"), default=0.01)}
 
     def __init__(self, lr: float, lr_decay: float = 0.0, mu: float = 0.01) -> None:
         super().__init__(lr, lr_decay)

@@ -26,6 +26,12 @@ RESERVE = "summary.reserve"
 RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
 
 
+# logs/<node>.exit.json: how a worker node's process ended ({"node", "exit"}), written by
+# the launcher, which watches those processes, for the server, which only sees their
+# clients go DOWN with ``noconnection``.
+NODE_EXIT = "{node}.exit.json"
+
+
 class RunLogError(OSError):
     """The run directory cannot be written; the message names the file and the error."""
 
@@ -39,15 +45,26 @@ def write_error(path: Path, exc: OSError) -> RunLogError:
 
 def write_json_atomically(path: Path, record: dict) -> None:
     """Replace ``path`` with ``record`` as JSON, all or nothing (tmp, fsync, rename)."""
+    write_text_atomically(path, json.dumps(record, indent=2, default=_jsonable) + "\n")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``, all or nothing (tmp, fsync, rename): a reader never
+    sees half of it, and a write that fails (a full disk) leaves neither it nor the tmp
+    file behind; RunLogError names the file."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record, indent=2, default=_jsonable) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only file system: nothing was made either
         raise write_error(path, exc) from None
 
 
@@ -69,22 +86,28 @@ class RunLog:
     def _reserve(self) -> None:
         reserve = self.run_dir / RESERVE
         if not reserve.exists():
-            with open(reserve, "wb") as f:
-                f.write(b"\0" * RESERVE_BYTES)  # written, not sparse: the blocks are really taken
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(reserve, "wb") as f:
+                    f.write(b"\0" * RESERVE_BYTES)  # written, not sparse: the blocks are really taken
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                reserve.unlink(missing_ok=True)  # no half-made reserve left behind
+                raise
 
     def elapsed(self) -> float:
         return time.time() - self.started  # wall
 
-    def event(self, name: str, **fields: Any) -> dict:
+    def event(self, name: str, *, sync: bool = True, **fields: Any) -> dict:
         """Append one event; raises RunLogError if the line cannot be written (and
-        every later call, once one has failed)."""
+        every later call, once one has failed). ``sync=False``: written, but fsynced only
+        with a later line (one of a burst, such as the faults of a node's thousands of
+        clients: an fsync each took minutes); a crash of the process loses nothing."""
         record = {"event": name, "t": round(self.elapsed(), 4), **fields}
         if self.failed is not None:
             raise self.failed
         try:
-            self._events.append((json.dumps(record, default=_jsonable) + "\n").encode())
+            self._events.append((json.dumps(record, default=_jsonable) + "\n").encode(), sync)
         except RunLogError as exc:
             self.failed = exc
             raise
@@ -132,11 +155,12 @@ class _Lines:
         if header and not self._length:
             self.append(header.encode())
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes, sync: bool = True) -> None:
         try:
             self._f.write(data)
             self._f.flush()
-            os.fsync(self._f.fileno())
+            if sync:
+                os.fsync(self._f.fileno())
         except OSError as exc:
             self._cut_back()
             raise write_error(self.path, exc) from None
@@ -166,6 +190,19 @@ def _csv_cell(value: Any) -> str:
     if any(c in text for c in ',"\n'):
         return '"' + text.replace('"', '""') + '"'
     return text
+
+
+def write_node_exit(run_dir: str | Path, node: str, how: str) -> None:
+    """Record how ``node``'s process ended (see NODE_EXIT); RunLogError if it cannot."""
+    write_json_atomically(Path(run_dir) / "logs" / NODE_EXIT.format(node=node), {"node": node, "exit": how})
+
+
+def read_node_exit(run_dir: str | Path, node: str) -> str | None:
+    """How ``node``'s process ended, if its launcher has said (None: not yet, or never)."""
+    try:
+        return json.loads((Path(run_dir) / "logs" / NODE_EXIT.format(node=node)).read_text())["exit"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _jsonable(value: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from fedemu.node.schema import Key, positive
+from fedemu.node.schema import Key, interval
 from fedemu.worker.ml.exact_sum import ExactSum
 from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
 
@@ -193,7 +193,7 @@ class FSVRG(Strategy):
     keeps_updates = False
     selects_all = True
     uploads = "a full gradient and then an SVRG-trained model per round"
-    options = {"h": Key(float, "FSVRG stepsize h (clients use h / n_k)", check=positive, rule="> 0", default=4.0)}
+    options = {"h": Key(float, "FSVRG stepsize h (clients use h / n_k)", **interval("(0, 1e6]"), default=4.0)}
 
     def __init__(self, lr: float, lr_decay: float = 0.0, h: float = 4.0) -> None:
         super().__init__(lr, lr_decay)

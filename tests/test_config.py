@@ -1,3 +1,5 @@
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -35,7 +37,7 @@ def test_integer_for_a_float_key_is_accepted():
     ("network.dropout.per_round=1.5", "network.dropout.per_round = 1.5 must be a probability in [0, 1]"),
     ("network.stragglers.distribution=gamma", "network.stragglers.distribution = 'gamma': choose one of none, fixed"),
     ("network.latency=5", "unknown key network.latency; [network] has seed, default_profile"),
-    ("run.time_scale=0", "run.time_scale = 0.0 is out of range; it must be > 0"),
+    ("run.time_scale=0", "run.time_scale = 0.0 is out of range; it must be in (0, 1e6]"),
     ("model.name=resnet", "model.name: unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn, char-lstm"),
     ("algorithm.C=0", "algorithm.C = 0.0 is out of range; it must be in (0, 1]"),
     ("algorithm.E=one", "algorithm.E = 'one' must be an integer"),
@@ -120,3 +122,37 @@ def test_server_settings_follow_the_config():
     s = config.server_settings(asynchronous, workers=1, device="cpu")
     assert s.eval_every == 7  # uploads, for a rule without rounds
     assert s.compression == config.compression_spec(asynchronous).to_dict()
+
+
+# Issue 41's configs: each was accepted, and the run then failed in its nodes, trained
+# nothing or misjudged its nodes' liveness.
+REFUSED_BEFORE_ANYTHING_STARTS = [
+    (["algorithm.lr=1e308"], "algorithm.lr = 1e+308 is out of range; it must be in (0, 1000]"),
+    (["run.rounds=99999999999999999999999"], "run.rounds = 99999999999999999999999 is out of range; it must fit an int64"),
+    (["run.heartbeat_interval_s=10", "run.heartbeat_timeout_s=5"],
+     "run.heartbeat_timeout_s = 5 must be at least twice run.heartbeat_interval_s = 10"),
+    (["data.dataset=shakespeare"], "model.name = '2nn' does not fit data.dataset = 'shakespeare', whose examples are "
+                                   "80 token ids (int64): RuntimeError: mat1 and mat2 must have the same dtype"),
+    (["model.name=char-lstm"], "model.name = 'char-lstm' does not fit data.dataset = 'mnist', whose examples are "
+                               "1x28x28 floats: ValueError: the char LSTM takes sequences of token ids"),
+]
+
+
+@pytest.mark.parametrize("sets, message", REFUSED_BEFORE_ANYTHING_STARTS,
+                         ids=[s[0].split("=")[0] for s, _ in REFUSED_BEFORE_ANYTHING_STARTS])
+def test_a_bad_config_is_refused_before_a_run_directory_is_made(tmp_path, sets, message):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir)]
+    for item in sets:
+        argv += ["--set", item]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr, done.stdout + done.stderr
+    assert not run_dir.exists()
+    assert message in str(pytest.raises(ConfigError, config.load, None, sets).value)  # `fedemu check`'s path too
+
+
+def test_the_model_check_suggests_the_model_made_for_the_data_set():
+    with pytest.raises(ConfigError, match=r"use model.name = 'char-lstm', made for shakespeare$"):
+        config.load(None, ["data.dataset=shakespeare", "model.name=cnn"])
+    config.load(None, ["data.dataset=shakespeare", "model.name=char-lstm"])
+    config.load(None, ["data.dataset=cifar10", "model.name=2nn"])  # it flattens any input: it fits

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +211,37 @@ def test_a_full_disk_ends_the_run_with_a_reason_that_names_the_file(tmp_path):
         _unmount(disk)
 
 
+@needs_root
+@pytest.mark.slow
+def test_a_file_system_full_at_the_start_leaves_no_partial_file_and_says_why(tmp_path):
+    """Issue 41: a tmpfs full while the run started gave "the broker exited with code 1:
+    (no output)" and left broker.tmp. Three sizes: the launcher's own files, the broker's
+    address and the server's start each meet the full disk first (4 KB pages)."""
+    cache = tmp_path / "cache"
+    tiny_mnist(cache)
+    for size in ("8k", "12k", "16k"):
+        disk = tmp_path / f"disk-{size}"
+        disk.mkdir()
+        _mount(disk, f"size={size}")
+        try:
+            run_dir = disk / "run"
+            proc, _ = tiny_launch(tmp_path, *SYNC, out=run_dir)
+            output, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 1, output
+            assert "No space left on device" in output or f"the file system of {run_dir} is full" in output, output
+            assert_left_clean(run_dir)
+            files = {p.relative_to(run_dir).as_posix(): p for p in run_dir.rglob("*") if p.is_file()}
+            assert not [name for name in files if name.endswith(".tmp")], (size, sorted(files))
+            whole = {"config.toml": tomllib.loads, "network.json": json.loads, "summary.json": json.loads,
+                     "broker.endpoint": lambda text: text.endswith("\n") and text.startswith("tcp://") or 1 / 0}
+            for name, parse in whole.items():
+                if name in files:
+                    parse(files[name].read_text())  # whole, or it raises
+            assert "summary.reserve" not in files or files["summary.reserve"].stat().st_size == 4096
+        finally:
+            _unmount(disk)
+
+
 def test_a_failed_write_keeps_every_line_whole_and_closes_the_log(tmp_path):
     """The log's own write path on a real failing file (/dev/full answers every write
     with ENOSPC): the error names the file, nothing torn is left, later events refuse."""
@@ -230,6 +263,223 @@ def test_a_failed_write_keeps_every_line_whole_and_closes_the_log(tmp_path):
     summary = log.summary(status="failed", reason=str(log.failed))
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert not (tmp_path / "summary.reserve").exists()  # its room was used for the summary
+
+
+# --- resource exhaustion, and runs that trained nothing ----------------------------------------
+
+REPOSITORY = Path(__file__).resolve().parents[1]  # the nodes import tests.greedy_clients from here
+# What a run that ran out of memory names, whichever allocation failed first: a client's
+# tensor, a node's thread, a library's map, an abort or the OOM killer.
+MEMORY_WORDS = ("memory", "allocate", "thread", "bad_alloc", "map", "SIGABRT", "SIGKILL")
+
+
+def _no_core_dumps() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+
+@pytest.mark.slow
+def test_workers_killed_by_sigbus_are_named_in_their_faults_and_the_summary(tmp_path):
+    """Issue 41: a data cache cut short during a run kills the worker nodes, which map it,
+    with SIGBUS at their next read of it; the run said "deadlock: 0 live clients"."""
+    proc, run_dir = tiny_launch(tmp_path, *SYNC, preexec_fn=_no_core_dumps)
+    wait_for(lambda: evaluations(run_dir) >= 1, "no round", proc=proc)
+    os.truncate(data.folder("mnist", tmp_path / "cache") / "train_x.npy", 0)  # the server reads only test_x now
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, output
+    assert_left_clean(run_dir)
+    faults = [e for e in assert_log_whole(run_dir) if e["event"] == "fault"]
+    assert {e["client"] for e in faults} == {0, 1, 2, 3}, faults
+    for e in faults:
+        assert e["reason"].startswith("noconnection: worker-") and "killed by SIGBUS (a memory-mapped file" in e["reason"]
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed" and summary["reason"].startswith("every client is lost: 4 clients lost: 2 "
+                                                                          "noconnection: worker-"), summary
+    assert "killed by SIGBUS" in summary["reason"] and "deadlock" not in summary["reason"]
+    assert "warning: worker-0 killed by SIGBUS" in output and "warning: worker-1 killed by SIGBUS" in output
+
+
+@pytest.mark.slow
+def test_a_run_under_an_address_space_limit_ends_naming_the_cause(tmp_path):
+    """Issue 41: under `prlimit --as=1200000000`, 100,000 clients at C = 0.01 held their
+    run for good with only a `start` event: a worker node that could not encode a crashed
+    client's DOWN left it counted busy, so virtual time never moved. The same limit here,
+    with 1,000 one-example clients a round on each worker node: their held replies alone
+    (0.8 MB each) are more than the limit leaves a node beside its libraries."""
+    limit = 1_200_000_000  # bytes of address space, each process of the run
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _no_core_dumps()
+
+    proc, run_dir = tiny_launch(tmp_path, "data.partition='sample'", "data.clients=2000", "algorithm.C=1.0",
+                                "run.rounds=5", preexec_fn=limited)
+    output, _ = proc.communicate(timeout=300)  # a hang is what this guards against; the run ends in seconds
+    assert proc.returncode == 1, output
+    assert_left_clean(run_dir)
+    events = assert_log_whole(run_dir)
+    assert events[-1]["event"] == "end", events[-3:]
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed", summary
+    named = summary["reason"] + " ".join(e["reason"] for e in events if e["event"] == "fault")
+    assert any(word in named for word in MEMORY_WORDS), summary["reason"]
+    assert not summary["reason"].startswith("deadlock: 0 live clients"), summary["reason"]
+
+
+def _memory_cgroup(name: str, limit: int) -> tuple[Path, str] | None:
+    """A new memory cgroup holding at most ``limit`` bytes, and the file a process joins
+    it by; None where this host lets no test make one (not root, no memory controller)."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if (v1 / "memory.limit_in_bytes").exists():
+            group = v1 / name
+            group.mkdir()
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+        elif "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+            group = v2 / name
+            group.mkdir()
+            (group / "memory.max").write_text(str(limit))
+            (group / "memory.swap.max").write_text("0")
+        else:
+            return None
+    except OSError:
+        return None
+    return group, str(group / "cgroup.procs")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_the_oom_killer_is_named(tmp_path):
+    """A memory cgroup (where the host lets a test make one): the kernel's OOM killer ends
+    a process of the run with SIGKILL; the run names it, by the cgroup's OOM-kill count."""
+    made = _memory_cgroup(f"fedemu-test-{os.getpid()}", 2_000_000_000)
+    if made is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+    group, procs_file = made
+
+    def join() -> None:
+        Path(procs_file).write_text(str(os.getpid()))  # before exec: every process of the run is in it
+        _no_core_dumps()
+
+    try:
+        # 1,000 one-example clients a round on each worker node: their held replies (0.8 MB
+        # each) are more than the 2 GB the cgroup leaves beside the run's processes.
+        proc, run_dir = tiny_launch(tmp_path, "data.partition='sample'", "data.clients=2000", "algorithm.C=1.0",
+                                    "run.rounds=5", preexec_fn=join)
+        output, _ = proc.communicate(timeout=300)
+        assert_left_clean(run_dir)
+        events = assert_log_whole(run_dir)
+        summary = summary_of(run_dir)
+        named = summary["reason"] + " ".join(e["reason"] for e in events if e["event"] == "fault")
+        assert "SIGKILL (the kernel's OOM killer" in named, (summary, output[-2000:])
+    finally:
+        deadline = time.monotonic() + 30
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        group.rmdir()
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_client_crashed_is_failed_not_completed(tmp_path):
+    """Issue 41: every client crashed (out of memory) and the summary said `completed`,
+    "ran 2 rounds", with 0 uploads."""
+    proc, run_dir = tiny_launch(tmp_path, "algorithm.name=tests.greedy_clients:GreedyFedAvg", "run.rounds=2",
+                                env={**os.environ, "PYTHONPATH": str(REPOSITORY)}, cwd=REPOSITORY)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, output
+    summary = summary_of(run_dir)
+    assert summary["status"] == "failed" and summary["aggregations"] == 0 and summary["uploads"] == 0, summary
+    assert summary["reason"].startswith("no client answered: every client asked (4) was lost before it could; 4 "
+                                        "clients lost: 4 crash: MemoryError: Unable to allocate 4.00 EiB"), summary
+    faults = [e for e in assert_log_whole(run_dir) if e["event"] == "fault"]
+    assert len(faults) == 4 and all("MemoryError" in e["reason"] for e in faults)
+    assert "warning: nothing was aggregated: the final model is the initial one" in output
+
+
+def test_a_run_that_aggregated_nothing_says_why_and_is_failed_only_if_nobody_could_answer():
+    from fedemu.server.outcome import losses, nothing_aggregated
+
+    crashed = [{"client": 3, "reason": "crash: MemoryError: x"}, {"client": 5, "reason": "crash: MemoryError: x"},
+               {"client": 6, "reason": "noconnection: worker-1 killed by SIGBUS"}]
+    assert losses(crashed) == ("3 clients lost: 2 crash: MemoryError: x; 1 noconnection: worker-1 killed by SIGBUS")
+    status, reason = nothing_aggregated("ran 2 rounds", {3, 5, 6}, crashed, "0 replies in time")
+    assert status == "failed" and reason.startswith("no client answered: every client asked (3) was lost")
+    # A deadline that cut every reply, or drop-outs: the run ran its course, and says it learnt nothing.
+    status, reason = nothing_aggregated("ran 2 rounds", {3, 5, 6, 7}, crashed, "0 replies in time, 1 after the deadline")
+    assert status == "completed"
+    assert reason == ("ran 2 rounds; nothing was aggregated, the final model is the initial one (0 replies in time, "
+                      "1 after the deadline)")
+
+
+# --- stops during start-up ------------------------------------------------------------------
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.slow
+def test_a_launcher_stopped_before_its_run_directory_exists_says_so(tmp_path):
+    """Issue 41: the launcher died silently. Its handlers come first (a few ms after it
+    starts); the run directory after the config, which builds the model (torch)."""
+    proc, run_dir = tiny_launch(tmp_path, *SYNC)
+    wait_for(lambda: _catches(proc.pid, signal.SIGTERM), "the launcher never caught SIGTERM", proc=proc)
+    assert not run_dir.exists()
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "fedemu launch: stopped by SIGTERM before the run directory was made; nothing ran" in output
+    assert not run_dir.exists()
+
+
+STARTING = {"config written": lambda run_dir: (run_dir / "config.toml").exists(),
+            "server importing": lambda run_dir: (run_dir / "logs" / "server.out").exists()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(STARTING))
+def test_a_stop_signal_during_start_up_ends_the_run_interrupted(tmp_path, point):
+    """Issue 41: SIGTERM while the run started (its directory made, the server importing)
+    gave `failed` ("the server node ended (killed by SIGTERM) without a summary")."""
+    proc, run_dir = tiny_launch(tmp_path, *SYNC)
+    wait_for(lambda: STARTING[point](run_dir), point, proc=proc, timeout=120)
+    assert not any(e["event"] == "start" for e in read_events(run_dir))  # still starting
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    output, _ = proc.communicate(timeout=60)
+    print(f"ended {time.monotonic() - stopped:.1f} s after the signal")  # a few seconds on a quiet host
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    summary = summary_of(run_dir)
+    assert summary["status"] == "interrupted" and "terminated (SIGTERM)" in summary["reason"], (summary, output)
+    assert_left_clean(run_dir)
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_while_its_point_starts_up_says_interrupted_in_summary_and_index(tmp_path):
+    """Issue 41: such points said `failed` in summary.json and `interrupted` in sweep.db."""
+    from .test_sweep import rows, tiny_sweep
+
+    spec = tiny_sweep(tmp_path)
+    out = tmp_path / "sw"
+    argv = [sys.executable, "-m", "fedemu.launch", "sweep", str(spec), "--out", str(out), "--parallel", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _LAUNCHED.append(proc)
+    point = out / "runs" / "E=1"
+    wait_for(lambda: (point / "logs" / "server.out").exists(), "the first point never started", proc=proc,
+             timeout=120)
+    assert not any(e["event"] == "start" for e in read_events(point))
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    summary = summary_of(point)
+    assert summary["status"] == "interrupted" and "terminated (SIGTERM)" in summary["reason"], (summary, output)
+    assert rows(out)["E=1"]["status"] == "interrupted"
+    assert_left_clean(point)
 
 
 # --- the data cache -------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_killed_worker_node_is_seen_as_down_and_the_run_goes_on(tmp_path):
     faults = [e for e in events if e["event"] == "fault"]
     # worker-1 hosted clients 50..99 (contiguous placement over two nodes).
     assert sorted(e["client"] for e in faults) == list(range(50, 100))
-    assert {e["reason"] for e in faults} == {"noconnection"}
+    assert {e["reason"] for e in faults} == {"noconnection: worker-1 killed by SIGKILL"}  # as the launcher saw it
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 8
     late = [e for e in rounds if e["round"] > max(f["round"] for f in faults)]

@@ -230,7 +230,7 @@ def test_killing_a_hosts_worker_node_loses_its_clients_and_the_run_goes_on(hosts
     events = read_events(run_dir)
     faults = [e for e in events if e["event"] == "fault"]
     assert sorted(e["client"] for e in faults) == list(range(50, 100))  # exactly h2's clients
-    assert {e["reason"] for e in faults} == {"noconnection"}
+    assert {e["reason"] for e in faults} == {"noconnection: worker-1 killed by SIGKILL"}  # the host's agent saw it
     assert all(isinstance(e["t"], float) for e in faults)
     assert "worker-1 on h2 exited with code -9" in output
     rounds = [e for e in events if e["event"] == "round"]

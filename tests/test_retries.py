@@ -73,7 +73,7 @@ def sent_to(proc: ScriptedProc, pid: Pid, kind: type) -> list:
 
 def test_retry_s_is_checked_and_named():
     assert configuration.load(None)["algorithm"]["retry_s"] == 120.0
-    with pytest.raises(configuration.ConfigError, match=r"algorithm\.retry_s = 0\.0 is out of range; it must be > 0"):
+    with pytest.raises(configuration.ConfigError, match=r"algorithm\.retry_s = 0\.0 is out of range; it must be in \(0, 1e9\]"):
         configuration.load(None, ["algorithm.retry_s=0"])
 
 

@@ -261,6 +261,37 @@ def test_down_on_crash_carries_the_error(procs, broker, node):
     assert extra is TIMEOUT
 
 
+class _Crashes(Behaviour):
+    def handle(self, proc, msg):
+        raise RuntimeError("out of memory in the task")
+
+
+def test_a_node_that_cannot_send_a_down_fails_stop_and_its_watchers_see_it_lost(broker, node):
+    """Issue 41: a worker node out of memory could not encode a crashed client's DOWN; the
+    client stayed counted busy and virtual time never moved again. Now the node fails
+    stop (an embedded one closes; a run's node ends its process, exit code 70), so its
+    watchers see every process of it lost instead of waiting for ever."""
+    failing = Node("failing", broker, heartbeat_interval=0.1, heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+    try:
+        def no_memory(watcher, down):  # as msgpack's Packer said under `prlimit --as`
+            raise MemoryError("Unable to allocate internal buffer.")
+
+        failing._send_down = no_memory
+        target = failing.spawn_behaviour(_Crashes(), name="failing/client")
+
+        def watch(proc):
+            proc.monitor(whereis(proc, "failing/client"))
+            proc.send(target, "train")
+            return proc.receive(Down, timeout=HEARTBEAT_TIMEOUT + 10.0)
+
+        down = run_in_process(node, watch, timeout=HEARTBEAT_TIMEOUT + 15.0)
+        assert down is not TIMEOUT and down.body.reason == "noconnection"
+        assert failing.closed.wait(5)
+        assert failing.failure == f"running {target}: MemoryError: Unable to allocate internal buffer."
+    finally:
+        failing.close()
+
+
 def test_down_noconnection_when_a_node_is_killed(procs, broker, node):
     peer = procs.peer("peer", broker)
     down, waited, extra = _down_of(node, "peer/echo", lambda proc, t: peer.send_signal(signal.SIGKILL))

@@ -386,7 +386,7 @@ def test_a_real_sweep_killed_half_way_resumes_without_redoing_finished_points(tm
     first_events = (out / "runs" / "E=1" / "events.jsonl").read_text()
     os.kill(proc.pid, signal.SIGTERM)  # stop the sweep as a scheduler or Ctrl-C would
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, output  # as a shell reports a process SIGTERM ended
+    assert proc.returncode == 128 + signal.SIGTERM, output  # as a shell reports it: 143
     assert "run the same command again to resume" in output
     state = rows(out)
     assert state["E=1"]["status"] == "completed" and state["E=1"]["final_accuracy"] > 0.1

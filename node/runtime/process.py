@@ -345,6 +345,12 @@ class BehaviourProcess(Process):
         self.node._pool_submit(self._run)
 
     def _run(self) -> None:
+        try:
+            self._run_turn()
+        except BaseException as exc:  # the node's part failed (no memory for the DOWN, say), not the behaviour
+            self.node._fail(f"running {self.pid}", exc)
+
+    def _run_turn(self) -> None:
         for _ in range(self._BATCH):
             with self._lock:
                 if not self._mailbox or not self.alive:

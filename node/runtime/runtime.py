@@ -48,6 +48,9 @@ from ..wire import BROKER_NODE, BROKER_PID, USER, Pid
 log = logging.getLogger("fedemu.node")
 
 _PR_SET_NAME = 15  # prctl(2)
+# A node process that ends itself because its own machinery failed (see Node._fail) exits
+# with this code (sysexits' EX_SOFTWARE), after one line on stderr that names the failure.
+FAILED_EXIT = 70
 # call_broker: how many times its timeout an answer is awaited while the broker is alive.
 BUSY_BROKER_FACTOR = 12
 
@@ -88,6 +91,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         keys: RunKeys | None = None,
         pool_nice: int = 0,
         token: str | None = None,
+        exit_on_failure: bool = False,
     ) -> None:
         if not name or name.startswith("$") or "/" in name:
             raise ValueError(f"bad node name {name!r}")
@@ -110,6 +114,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         self.closed = threading.Event()
         self.close_reason: str | None = None
         self.broker_lost: str | None = None  # why this node lost the broker, once it has
+        self.failure: str | None = None  # what broke in the node itself (_fail, its I/O thread), if anything
+        self.exit_on_failure = exit_on_failure  # a node of a run: its OS process ends with the node (_fail)
         self.on_close: list[Callable[[str], None]] = []
         self.keys = keys
         self.token = token  # the run's token, which the broker may ask of a hello (security.py)
@@ -148,6 +154,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             self.close_reason = reason
             self.closed.set()
         log.info("node %s closing: %s", self.name, reason)
+        for done, _ in list(self._replies.values()):  # a request awaiting the broker waits no more
+            done.set()
         self._wake()
         if self._io_thread and self._io_thread is not threading.current_thread():
             self._io_thread.join(timeout=5)
@@ -157,6 +165,28 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
             self.clock.close()
         for callback in self.on_close:
             callback(reason)
+
+    def _fail(self, doing: str, exc: BaseException) -> None:
+        """The node's own machinery failed while ``doing`` something (out of memory, no
+        thread to be had): a DOWN it could not send, a process it could not schedule. Its
+        books cannot be trusted after that (in virtual time a process counted busy for ever
+        holds the run's clock still; a lost DOWN leaves its watcher waiting), so the node
+        fails stop, as an Erlang node does: the broker finds it silent within the heartbeat
+        timeout and every watcher gets ``noconnection``. A node of a run
+        (``exit_on_failure``) ends its OS process at once, with FAILED_EXIT and one line on
+        stderr naming the failure, which the launcher reports; an embedded node closes."""
+        try:
+            reason = f"{doing}: {type(exc).__name__}: {exc}"
+            self.failure = reason
+            log.critical("node %s failed %s", self.name, reason)
+        except BaseException:  # out of memory even for the message: the exit code still says it
+            reason = doing
+        if self.exit_on_failure:
+            try:
+                os.write(2, f"fedemu: node {self.name} failed {reason}\n".encode(errors="replace"))
+            finally:
+                os._exit(FAILED_EXIT)
+        self.close(f"failed {reason}")
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.closed.wait(timeout)
@@ -201,6 +231,7 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         while the broker is alive (heartbeats), up to BUSY_BROKER_FACTOR times as long: the
         request may be queued behind gigabytes this node sent before it (thousands of
         models), which the broker reads first."""
+        self._check_open()
         ref = next(self._refs)
         done = threading.Event()
         slot: list = []
@@ -216,6 +247,11 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
                     raise NodeError(f"broker did not answer {body['op']!r}: lost the broker: {self.broker_lost}")
                 raise NodeError(f"broker did not answer {body['op']!r} within {timeout * BUSY_BROKER_FACTOR:g}s "
                                 "(alive, but busy)")
+        if not slot:  # woken by close()
+            self._replies.pop(ref, None)
+            if self.broker_lost:
+                raise NodeError(f"broker did not answer {body['op']!r}: lost the broker: {self.broker_lost}")
+            raise NodeError(f"node {self.name} closed ({self.close_reason}) before the broker answered {body['op']!r}")
         return slot[0]
 
     def send(self, dst: Pid | str, body: Any) -> None:
@@ -230,8 +266,12 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
     def _pool_submit(self, fn: Callable[[], None]) -> None:
         try:
             self._pool.submit(fn)
-        except RuntimeError:  # pool shut down: the node is closing
-            pass
+        except RuntimeError as exc:
+            if self.closed.is_set():
+                return  # pool shut down: the node is closing
+            # No thread for the pool ("can't start new thread"): the process it was for
+            # stays counted busy with nobody to run it.
+            self._fail("starting its worker pool", exc)
 
 
 __all__ = [

@@ -48,10 +48,18 @@ class ProcessTable:
                 fn(proc, *args)
             except Exception as exc:
                 reason = crash_reason(exc)
-            self._exit(proc, reason)
+            try:
+                self._exit(proc, reason)
+            except BaseException as exc:  # its DOWN could not be sent: the node's books are broken
+                self._fail(f"ending {proc.pid}", exc)
             self._busy_down()
 
-        threading.Thread(target=run, name=f"{self.name}-{proc.pid.id}", daemon=True).start()
+        try:
+            threading.Thread(target=run, name=f"{self.name}-{proc.pid.id}", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had (memory, a limit on threads): it never ran
+            self._exit(proc, f"crash: cannot start its thread: {exc}")
+            self._busy_down()
+            raise NodeError(f"node {self.name} cannot start a thread for a process: {exc}") from exc
         return proc.pid
 
     def spawn_behaviour(self, behaviour: Behaviour, name: str | None = None, link: int | None = None) -> Pid:

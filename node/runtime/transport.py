@@ -227,9 +227,13 @@ class Transport:
                     self._report_if_idle()
                 if watching and (self._handshake_monitor in ready or self._welcomed.is_set()):
                     watching = self._watch_handshake(poller)
-        except Exception:
-            log.exception("I/O thread of %s failed", self.name)
-            self._lose_broker("I/O thread failed")
+        except Exception as exc:
+            try:
+                log.exception("I/O thread of %s failed", self.name)
+                self.failure = f"its I/O thread failed: {type(exc).__name__}: {exc}"
+                self._lose_broker(self.failure)
+            except BaseException as again:  # not even that (no memory): nothing would close the node
+                self._fail("after its I/O thread failed", again)
         finally:
             if self._welcomed.is_set():
                 try:
@@ -285,7 +289,10 @@ class Transport:
         self.broker_lost = reason  # set before the DOWNs: a watcher can tell them from its peers' faults
         self._hand_over()  # what arrived before the loss is delivered before the DOWNs
         self._fire_noconnection(None)
-        threading.Thread(target=self.close, args=(f"noconnection: {reason}",), daemon=True).start()
+        try:
+            threading.Thread(target=self.close, args=(f"noconnection: {reason}",), daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: the node could not even close
+            self._fail(f"closing after it lost the broker ({reason})", exc)
 
     def _on_frames(self, frames: list) -> None:
         try:

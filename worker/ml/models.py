@@ -16,6 +16,7 @@ which is fixed by the module definitions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -149,6 +150,43 @@ def builder(name: str) -> Builder:
 
 
 INITS = ("torch", "normal", "glorot")
+
+
+@functools.lru_cache(maxsize=64)
+def fits(name: str, dataset_name: str) -> str | None:
+    """Why model ``name`` cannot train on data set ``dataset_name`` (None if it can): it is
+    built for the data set's declared input shape and classes and run, with the data
+    set's loss, on a blank batch of its examples, so a mismatch is found before anything
+    starts, plug-ins included. Cached: a sweep checks each point."""
+    import torch
+
+    from .datasets import get
+
+    dataset = get(dataset_name)
+    inputs = dataset.inputs(dataset.blank(2))
+    what = _describe_inputs(inputs)
+    advice = f"; use model.name = {dataset.model!r}, made for {dataset_name}" if dataset.model not in ("", name) else ""
+    try:
+        model = build(name, dataset.input_shape, dataset.num_classes, seed=0)
+        with torch.no_grad():
+            logits = model(inputs)
+        if (not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3) or logits.shape[0] != 2
+                or logits.shape[-1] != dataset.num_classes):
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"for 2 examples it returns {shape}, not logits (2, {dataset.num_classes}) or "
+                             f"(2, T, {dataset.num_classes})")
+        dataset.loss(logits, torch.zeros(logits.shape[:-1], dtype=torch.int64))
+    except Exception as exc:  # whatever the model raises is the mismatch, in its words
+        return (f"model.name = {name!r} does not fit data.dataset = {dataset_name!r}, whose examples are {what}: "
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{advice}")
+    return None
+
+
+def _describe_inputs(batch) -> str:
+    """One example of a model's input batch in words: '80 token ids (int64)', '1x28x28 floats'."""
+    shape = "x".join(map(str, batch.shape[1:])) or "1"
+    kind = "floats" if batch.is_floating_point() else f"token ids ({str(batch.dtype).removeprefix('torch.')})"
+    return f"{shape} {kind}"
 
 
 @dataclass(frozen=True)

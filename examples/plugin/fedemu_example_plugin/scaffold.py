@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedemu.node.schema import Key, positive
+from fedemu.node.schema import MAX_LEARNING_RATE, Key, interval
 from fedemu.server.strategies import Strategy
 from fedemu.worker.ml import models, training
 from fedemu.worker.tasks import LocalTask, TaskOutput
@@ -57,8 +57,8 @@ class Scaffold(Strategy):
     label = "SCAFFOLD"
     uploads = "a model and a control-variate delta per round (twice FedAvg's bytes)"
     keeps_updates = False  # the mean of the models is all it needs of them (aggregation on the nodes works)
-    options = {"eta_g": Key(float, "SCAFFOLD: the server's step size on the mean model change", check=positive,
-                            rule="> 0", default=1.0)}
+    options = {"eta_g": Key(float, "SCAFFOLD: the server's step size on the mean model change",
+                            **interval(f"(0, {MAX_LEARNING_RATE:g}]"), default=1.0)}
 
     def __init__(self, lr: float, lr_decay: float = 0.0, eta_g: float = 1.0) -> None:
         super().__init__(lr, lr_decay)

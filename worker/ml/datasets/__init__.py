@@ -5,7 +5,8 @@ A data set is one class in one module, a subclass of :class:`Dataset` (or of
 
 - ``name``: what ``data.dataset`` says, and its folder in the cache; ``title`` for people;
 - ``input_shape`` (one example as the model takes it) and ``num_classes``: the model is
-  built for them, so nothing else assumes a shape or a class count;
+  built for them, so nothing else assumes a shape or a class count; ``model``: the
+  model made for it, which a config whose model does not fit is told to use;
 - ``natural_clients``: whether the data set says which client each example belongs to
   (``train_client`` and ``test_client`` arrays: speakers, writers, devices);
 - ``sources()``: where its arrays come from, tried in order; each returns the arrays
@@ -75,6 +76,9 @@ class Dataset:
     num_classes: ClassVar[int] = 0
     natural_clients: ClassVar[bool] = False
     ignore_label: ClassVar[int | None] = None
+    # The model made for it (its paper's): named when model.name does not fit it. Not a
+    # default: the model is part of the experiment, and a config says which.
+    model: ClassVar[str] = ""
     # Examples in each split, when the data set has fixed sizes (checked on fetch).
     sizes: ClassVar[dict[str, int] | None] = None
 

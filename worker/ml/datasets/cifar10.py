@@ -106,6 +106,7 @@ class Cifar10(Dataset):
     title = "CIFAR-10"
     input_shape = (3, CROP, CROP)
     num_classes = 10
+    model = "cifar-cnn"
     sizes = {"train": 50_000, "test": 10_000}
 
     def sources(self) -> list[Source]:

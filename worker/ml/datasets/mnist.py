@@ -246,6 +246,7 @@ class Mnist(ImageDataset):
     title = "MNIST"
     input_shape = (1, 28, 28)
     num_classes = 10
+    model = "2nn"
     sizes = {"train": 60_000, "test": 10_000}
 
     def sources(self) -> list[Source]:
@@ -259,6 +260,7 @@ class FashionMnist(ImageDataset):
     title = "Fashion-MNIST"
     input_shape = (1, 28, 28)
     num_classes = 10
+    model = "2nn"
     sizes = {"train": 60_000, "test": 10_000}
 
     def sources(self) -> list[Source]:

@@ -159,6 +159,7 @@ class Shakespeare(Dataset):
     title = "Shakespeare by role"
     input_shape = (UNROLL,)
     num_classes = VOCABULARY
+    model = "char-lstm"
     natural_clients = True
     ignore_label = PAD
 
