@@ -173,6 +173,10 @@ class HostAgent:
     def start(self) -> None:
         b = self.bundle
         (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
+        if "population_json" in b:
+            from .config import POPULATION_FILE
+
+            (self.run_dir / POPULATION_FILE).write_text(b["population_json"])
         keys_path = self.run_dir / "run.keys"
         fd = os.open(keys_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

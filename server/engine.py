@@ -82,6 +82,7 @@ class Settings:
     client_log: str = "auto"  # per-client detail: "events", "csv", or "auto" (see CLIENT_LOGS)
     device: str = "cpu"  # the torch device the server evaluates on (run.device as this host resolved it)
     aggregation: str = "server"  # or "nodes": each worker node sums its clients' updates (worker/node_sums.py)
+    traces: dict | None = None  # the run's trace files and their sha256, by trace name (population.json)
 
     @property
     def per_round(self) -> int:
@@ -230,7 +231,8 @@ class Engine:
         self.runlog.event("start", emulated_s=self._traffic["emulated_s"], clients=len(self.pids), placement=dict(sorted(ready_nodes.items())), algorithm=self.algorithm,
                           per_round=self.settings.per_round, time_scale=self.settings.time_scale,
                           clock=self.settings.clock,
-                          dataset=self.data.name, test_samples=len(self.data.test_y))
+                          dataset=self.data.name, test_samples=len(self.data.test_y),
+                          **({"traces": self.settings.traces} if self.settings.traces else {}))
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float | None = None,
                  wall_timeout: float | None = None):

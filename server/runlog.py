@@ -22,6 +22,8 @@ from typing import Any
 EVENTS = "events.jsonl"
 CLIENTS = "clients.csv"
 CLIENT_COLUMNS = ("round", "client", "outcome", "num_samples", "train_loss", "compute_s", "slowdown")
+TASKS = "tasks.csv"  # asynchronous rules with a concurrency: one row per task
+TASK_COLUMNS = ("task", "client", "start_s", "end_s", "outcome")
 SUMMARY = "summary.json"
 RESERVE = "summary.reserve"
 RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
@@ -65,6 +67,7 @@ class RunLog:
             raise write_error(self.path, exc) from None
         self._events = _Lines(self.path)
         self._clients: _Lines | None = None  # opened with the first rows
+        self._tasks: _Lines | None = None
 
     def _reserve(self) -> None:
         reserve = self.run_dir / RESERVE
@@ -93,13 +96,30 @@ class RunLog:
     def clients(self, rows: list[tuple]) -> None:
         """Append rows (CLIENT_COLUMNS) to clients.csv, as one write; RunLogError as for
         an event (the log is then closed)."""
+        if self._clients is None:
+            self._clients = self._csv(CLIENTS, CLIENT_COLUMNS)
+        self._append_rows(self._clients, rows)
+
+    def tasks(self, rows: list[tuple]) -> None:
+        """Append rows (TASK_COLUMNS) to tasks.csv, as clients() does to clients.csv."""
+        if self._tasks is None:
+            self._tasks = self._csv(TASKS, TASK_COLUMNS)
+        self._append_rows(self._tasks, rows)
+
+    def _csv(self, name: str, columns: tuple[str, ...]) -> _Lines:
         if self.failed is not None:
             raise self.failed
         try:
-            if self._clients is None:
-                self._clients = _Lines(self.run_dir / CLIENTS, header=",".join(CLIENT_COLUMNS) + "\n")
-            self._clients.append("".join(",".join("" if v is None else str(v) for v in row) + "\n"
-                                         for row in rows).encode())
+            return _Lines(self.run_dir / name, header=",".join(columns) + "\n")
+        except RunLogError as exc:
+            self.failed = exc
+            raise
+
+    def _append_rows(self, lines: _Lines, rows: list[tuple]) -> None:
+        if self.failed is not None:
+            raise self.failed
+        try:
+            lines.append("".join(",".join("" if v is None else str(v) for v in row) + "\n" for row in rows).encode())
         except RunLogError as exc:
             self.failed = exc
             raise
@@ -113,8 +133,9 @@ class RunLog:
 
     def close(self) -> None:
         self._events.close()
-        if self._clients is not None:
-            self._clients.close()
+        for lines in (self._clients, self._tasks):
+            if lines is not None:
+                lines.close()
 
 
 class _Lines:

@@ -20,7 +20,7 @@ from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
-    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
+    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue, TaskDone,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .ml.compression import UpdateCodec, update_seed
@@ -117,12 +117,17 @@ class Client(Behaviour):
                 log.info("client %d: round %d closed without it; its held reply is not sent", self.client_id,
                          body.round)
         elif isinstance(body, AsyncStart):
-            if self._async is not None:  # the server resends it until it hears from us
+            if self._async is not None or (body.one_task and body.model <= self._bases):
+                # The server resends it until it hears from us; a task's start may also come
+                # again after the task ended (its number is not new then).
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
                 return
             self._async, self._server = body, msg.sender
             self._new_base(body.weights, body.age, body.model)
             self._train_async(proc)
+        elif isinstance(body, TaskDone):
+            if self._async is not None and (body.request == 0 or self._answers(body.request, Upload, body)):
+                self._end_task(body.reason)
         elif isinstance(body, TrainAgain) and self._async is not None:
             self._train_async(proc)
         elif isinstance(body, RetryDue) and self._async is not None:
@@ -138,6 +143,16 @@ class Client(Behaviour):
             proc.stop()
         else:
             log.warning("client %d ignores %r from %s", self.client_id, type(body).__name__, msg.sender)
+
+    def _end_task(self, reason: str) -> None:
+        """A task is over (algorithm.concurrency): drop the work and wait for a new start."""
+        for timer in (self._retry_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._async, self._pending, self._retry_timer, self._send_timer = None, None, None, None
+        self._weights = self._base = self._untrained = None
+        self._stopped = False
+        log.debug("client %d: task over (%s)", self.client_id, reason)
 
     # --- the device going offline and coming back -------------------------------------------
 
@@ -224,7 +239,7 @@ class Client(Behaviour):
         if self._cache.device.type != "cpu":
             cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
         compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
-                                             measured_s, cpu_s)
+                                             measured_s, cpu_s, self.client_id)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=result.update,
             num_samples=len(self.indices), train_loss=float(result.loss), compute_s=compute_s, slowdown=slowdown,
@@ -329,7 +344,8 @@ class Client(Behaviour):
 
     def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
         """An asynchronous local update's (compute seconds, hold): E epochs of n_k."""
-        return self.compute.times(self.model, self._async.epochs * len(self.indices), slowdown, measured_s, cpu_s)
+        return self.compute.times(self.model, self._async.epochs * len(self.indices), slowdown, measured_s, cpu_s,
+                                  self.client_id)
 
     def _local_update(self) -> None:
         """One local update of w_k (E epochs from the current weights); sets _measured."""

@@ -95,6 +95,9 @@ class AsyncStart:
     compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
     model: int = 0  # the server's number for this model (its count of models sent to this client)
     retry_s: float = 0.0  # emulated seconds without a reply before a request is resent; 0: never
+    # One task (algorithm.concurrency): train once from this model, upload, and wait for
+    # the next start (TaskDone ends the task); else loop on every ModelReply for ever.
+    one_task: bool = False
 
 
 @message
@@ -148,6 +151,16 @@ class Upload:
     # `update` (the delta if is_delta, else base model + delta) before merging.
     encoded: dict | None = None
     request: int = 0
+
+
+@message
+class TaskDone:
+    """The server ends a client's task (algorithm.concurrency): its upload (request
+    ``request``) was taken, or (request 0) the server gave its place to another client.
+    The client drops its work and waits for its next AsyncStart."""
+
+    request: int = 0
+    reason: str = "uploaded"
 
 
 @message
