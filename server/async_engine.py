@@ -52,7 +52,7 @@ from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
 from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, TaskDone,
-                                    Upload, WorkerReady, retry_wait)
+                                    TaskStart, Upload, WorkerReady, retry_wait)
 
 from .async_rules import AsyncRule
 from .engine import Engine, Settings
@@ -167,10 +167,10 @@ class AsyncEngine(Engine):
         if self.concurrency.timeout_s > 0:
             heapq.heappush(self._task_timeouts, (now + self.concurrency.timeout_s, k, n))
         s = self.settings
-        start = AsyncStart(
+        start = TaskStart(
             rule=self.rule.name, weights=self.weights, age=self.age, epochs=s.epochs, batch_size=s.batch_size,
             lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, uploads_delta=self.rule.uploads_delta,
-            compression=s.compression if self.codec else None, retry_s=s.retry_s, one_task=True)
+            compression=s.compression if self.codec else None, retry_s=s.retry_s)
         self.ages[k] = self.age
         self.doing[k] = "training (a task)"
         self._send_model(proc, k, self.pids[k], start)  # numbers the model: a start resent later is recognised

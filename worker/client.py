@@ -20,7 +20,7 @@ from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
-    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue, TaskDone,
+    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue, TaskDone, TaskStart,
     TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .ml.compression import UpdateCodec, update_seed
@@ -117,7 +117,7 @@ class Client(Behaviour):
                 log.info("client %d: round %d closed without it; its held reply is not sent", self.client_id,
                          body.round)
         elif isinstance(body, AsyncStart):
-            if self._async is not None or (body.one_task and body.model <= self._bases):
+            if self._async is not None or (isinstance(body, TaskStart) and body.model <= self._bases):
                 # The server resends it until it hears from us; a task's start may also come
                 # again after the task ended (its number is not new then).
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)

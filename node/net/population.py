@@ -129,7 +129,11 @@ class TraceSource:
 
 
 def _stamp(path: str) -> tuple[int, int]:
-    st = os.stat(path)
+    """What tells a changed file from the one read before."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TraceError(f"trace file {path} does not exist") from None
     return st.st_mtime_ns, st.st_size
 
 
