@@ -310,3 +310,50 @@ def test_bandwidth_by_time_of_day_scales_the_rate_hour_by_hour():
 def test_bad_time_of_day_settings_are_refused_naming_the_key(section, problem):
     with pytest.raises(LinkConfigError, match=problem):
         spec({"time_of_day": section})
+
+
+# --- fedemu traces convert / stats ------------------------------------------------------------
+
+
+def test_convert_merges_fedscales_two_files_into_one_csv_that_means_the_same(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    devices = fedscale_devices(tmp_path / "client_device_capacity",
+                               {1: {"computation": 20.0, "communication": 1000.0},
+                                2: {"computation": 40.0, "communication": 500.0}})
+    behaviour = tmp_path / "client_behave_trace"
+    behaviour.write_bytes(pickle.dumps({1: {"active": [5], "inactive": [50], "finish_time": 60},
+                                        2: {"active": [0, 30], "inactive": [10, 40], "finish_time": 60}}))
+    out = tmp_path / "population.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", devices, str(behaviour), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 entries" in result.output
+    from_pickles = spec({"traces": {"d": {"file": devices, "use": ["compute"]}, "b": {"file": str(behaviour)}}},
+                        clients=4)
+    from_csv = spec({"traces": {"p": {"file": str(out), "use": ["compute", "availability"]}}}, clients=4)
+    assert from_csv.population.compute() == from_pickles.population.compute()
+    for k in range(4):
+        for t in (0, 5, 9.9, 10, 35, 45, 59, 65, 125):
+            assert from_csv.availability.offline(k, t, 0) == from_pickles.availability.offline(k, t, 0)
+
+    figure = tmp_path / "pop.png"
+    result = CliRunner().invoke(main, ["traces", "stats", str(out), "--figure", str(figure)])
+    assert result.exit_code == 0, result.output
+    assert "2 entries (2 repeating), span 60 s" in result.output
+    assert "compute, ms per training example: min 60" in result.output
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_convert_refuses_an_unsafe_pickle_naming_it_and_writes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    bad = tmp_path / "client_device_capacity"
+    bad.write_bytes(b"\x80\x04cos\nsystem\n(S'echo pwned'\ntR.")
+    out = tmp_path / "out.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", str(bad), "-o", str(out)])
+    assert result.exit_code != 0 and str(bad) in result.output and "os.system" in result.output
+    assert not out.exists()
