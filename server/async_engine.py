@@ -31,11 +31,13 @@ AsyncStart carries, ended by the server's TaskDone once the upload is in; the se
 then starts another client, chosen uniformly from the live clients without a task
 (stream ``concurrency``), or, with ``arrival_rate`` > 0, starts one at each arrival of
 a Poisson process (FLSim's asynchronous trainer; stream ``arrivals``) if a place is
-free. The server does not know who is offline (a start sent to an offline device is
-lost and resent as any AsyncStart): ``client_timeout_s`` gives a task's place to
-another client when its upload has not come in time. Every task is a row of
-``tasks.csv`` (client, started, ended, how). The default, 0, starts every client at
-once, each looping on its own, as before.
+free. The server does not see devices go offline (a start sent to an offline device
+is lost, and resent as any AsyncStart): ``client_timeout_s`` gives a task's place to
+another client when its upload has not come in time, and the server stops choosing
+that client until it checks in (``CheckIn``: a device that comes back online says so,
+as real devices check in with their server). Every task is a row of ``tasks.csv``
+(client, started, ended, how). The default, 0, starts every client at once, each
+looping on its own, as before.
 """
 from __future__ import annotations
 
@@ -51,8 +53,8 @@ import numpy as np
 from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, TaskDone,
-                                    TaskStart, Upload, WorkerReady, retry_wait)
+from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, CheckIn, FetchRequest, ModelReply,
+                                    TaskDone, TaskStart, Upload, WorkerReady, retry_wait)
 
 from .async_rules import AsyncRule
 from .engine import Engine, Settings
@@ -92,6 +94,7 @@ class AsyncEngine(Engine):
         # the next arrival comes; the ended tasks' rows for tasks.csv, written at each
         # evaluation.
         self.tasks: dict[int, tuple[float, int]] = {}
+        self.unavailable: set[int] = set()  # a task timed out, and the client has not checked in since
         self._task_count = 0
         self._task_timeouts: list[tuple[float, int, int]] = []
         self._next_arrival = math.inf
@@ -156,7 +159,7 @@ class AsyncEngine(Engine):
 
     def _start_task(self, proc: ThreadProcess) -> bool:
         """Start one client chosen uniformly from the live ones without a task."""
-        free = sorted(self.live - set(self.tasks))
+        free = sorted(self.live - set(self.tasks) - self.unavailable)
         if not free:
             return False
         self._task_count += 1
@@ -206,6 +209,7 @@ class AsyncEngine(Engine):
             if self.tasks.get(k, (0, None))[1] == n:  # else that task ended already
                 log.info("client %d: no upload within client_timeout_s; its place goes to another client", k)
                 proc.send(self.pids[k], TaskDone(0, "timeout"))
+                self.unavailable.add(k)
                 self._end_task(proc, k, "timeout")
         while timeouts and self.tasks.get(timeouts[0][1], (0, None))[1] != timeouts[0][2]:
             heapq.heappop(timeouts)  # stale: that task ended before its timeout
@@ -277,7 +281,7 @@ class AsyncEngine(Engine):
         while True:
             next_start = self._resend_starts(proc)
             wake = min(next_start, self._busy_until if self._queue else math.inf)
-            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
+            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady, CheckIn),
                                 timeout=None if wake == math.inf else max(0.0, wake - proc.now()),
                                 wall_timeout=last_progress + s.progress_timeout_s
                                 - time.monotonic())  # wall
@@ -319,7 +323,12 @@ class AsyncEngine(Engine):
         body = msg.body
         if isinstance(body, (AgeRequest, FetchRequest, Upload)) and not self._new_request(proc, msg):
             return None
-        if isinstance(body, WorkerReady):
+        if isinstance(body, CheckIn):
+            if self.pids.get(body.client) == msg.sender and body.client in self.unavailable:
+                self.unavailable.discard(body.client)
+                if self.concurrency.arrival_rate == 0:
+                    self._fill(proc)
+        elif isinstance(body, WorkerReady):
             restarted = self._rejoin(proc, body, self._evaluation)
             if not self.concurrency.tasks:
                 self._start_clients(proc, restarted)

@@ -20,8 +20,8 @@ from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
-    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue, TaskDone, TaskStart,
-    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
+    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, CheckIn, FetchRequest, ModelReply, RetryDue, TaskDone,
+    TaskStart, TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait,
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
@@ -85,6 +85,7 @@ class Client(Behaviour):
         self.task_state: dict = {}  # a local task's state between rounds (worker.tasks.TaskInput.state)
         self._async: AsyncStart | None = None
         self._server: Pid | None = None
+        self._task_server: Pid | None = None  # who starts this client's tasks (algorithm.concurrency)
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
         self._age = 0
         self._base: np.ndarray | None = None  # the last model received: deltas are taken from it
@@ -123,6 +124,8 @@ class Client(Behaviour):
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
                 return
             self._async, self._server = body, msg.sender
+            if isinstance(body, TaskStart):
+                self._task_server = msg.sender
             self._new_base(body.weights, body.age, body.model)
             self._train_async(proc)
         elif isinstance(body, TaskDone):
@@ -161,6 +164,8 @@ class Client(Behaviour):
         a reply held back for a slow device is never sent (send_after's unless_offline).
         Asynchronous rules pick up where they were when the device is back."""
         log.debug("client %d is %s", self.client_id, "offline" if offline else "back online")
+        if not offline and self._task_server is not None:  # available for a task again
+            proc.send(self._task_server, CheckIn(self.client_id))
         if self._async is None:
             return
         if offline:

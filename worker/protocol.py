@@ -169,6 +169,15 @@ class TaskDone:
 
 
 @message
+class CheckIn:
+    """A client whose device came back online tells the server it is available for a
+    task (algorithm.concurrency), as a real device checks in: the server, which cannot
+    see devices go offline, stops choosing a client whose task timed out until then."""
+
+    client: int
+
+
+@message
 class TrainAgain:
     """A client's note to itself: run another local update (CO-OP over-active)."""
 
