@@ -191,12 +191,12 @@ def load(path: str | Path | None, overrides: list[str] = (), values: dict | None
         _merge(config, copy.deepcopy(values), source="the config given")
     for item in overrides:
         apply_override(config, item)
-    _absolute_trace_paths(config)
+    absolute_trace_paths(config)
     validate(config)
     return config
 
 
-def _absolute_trace_paths(config: dict) -> None:
+def absolute_trace_paths(config: dict) -> None:
     """Trace files named relative to the current directory, made absolute: the run's
     processes, its config.toml and a sweep's points then all name the same files."""
     traces = config.get("network", {}).get("traces")

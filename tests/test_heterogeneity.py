@@ -160,3 +160,54 @@ per_round = true
     assert len({t["client"] for t in tasks}) > 10  # places went to other clients as tasks ended
     starts = sorted(float(t["start_s"]) for t in tasks)
     assert len(set(starts)) > 10  # started as others ended, not all at once
+
+
+def test_a_timed_out_task_goes_to_another_client_and_its_own_waits_for_its_check_in(tmp_path):
+    """Clients 0-4 are offline for the first 50 s. A task sent to one of them times out
+    after 5 s; the server starts another client instead, and does not choose that one
+    again until its device is back online and checks in."""
+    run_dir = tmp_path / "run"
+    launch(run_dir, """
+[data]
+clients = 10
+[algorithm]
+name = "fedbuff"
+concurrency = 5
+client_timeout_s = 5.0
+buffer_size = 5
+eval_every_uploads = 10
+[run]
+rounds = 4
+[network.dropout]
+windows = [{ clients = "0-4", start_s = 0, end_s = 50 }]
+""")
+    tasks = tasks_of(run_dir)
+    timed_out = [t for t in tasks if t["outcome"] == "timeout"]
+    assert timed_out and all(int(t["client"]) < 5 for t in timed_out)
+    assert all(float(t["end_s"]) == pytest.approx(float(t["start_s"]) + 5.0) for t in timed_out)
+    for t in timed_out:
+        later = [float(u["start_s"]) for u in tasks if u["client"] == t["client"] and int(u["task"]) > int(t["task"])]
+        assert all(start >= 50.0 for start in later)  # chosen again only once back online
+    # Each timeout freed its place at once: another task started at that instant.
+    assert all(any(float(u["start_s"]) == float(t["end_s"]) for u in tasks) for t in timed_out)
+    assert most_at_once(tasks, rounds_of(run_dir)[-1]["emulated_s"]) <= 5
+
+
+def test_fedasync_clients_arrive_as_a_poisson_process_up_to_the_concurrency(tmp_path):
+    run_dir = tmp_path / "run"
+    launch(run_dir, """
+[data]
+clients = 20
+[algorithm]
+name = "fedasync"
+concurrency = 4
+arrival_rate = 20.0
+eval_every_uploads = 10
+[run]
+rounds = 3
+""")
+    tasks = tasks_of(run_dir)
+    starts = sorted(float(t["start_s"]) for t in tasks)
+    assert starts[0] > 0.0 and len(set(starts)) == len(starts)  # one at a time, from the first arrival on
+    assert most_at_once(tasks, rounds_of(run_dir)[-1]["emulated_s"]) <= 4
+    assert sum(t["outcome"] == "uploaded" for t in tasks) == 30

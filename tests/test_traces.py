@@ -357,3 +357,31 @@ def test_convert_refuses_an_unsafe_pickle_naming_it_and_writes_nothing(tmp_path)
     result = CliRunner().invoke(main, ["traces", "convert", str(bad), "-o", str(out)])
     assert result.exit_code != 0 and str(bad) in result.output and "os.system" in result.output
     assert not out.exists()
+
+
+# --- a trace as a sweep axis -------------------------------------------------------------------
+
+
+def test_a_trace_file_and_its_mapping_are_sweep_axes(tmp_path, monkeypatch):
+    from fedemu.launch.sweep_spec import expand, load_spec
+
+    monkeypatch.chdir(tmp_path)  # trace files are named from the current directory, as in a launch
+    fedscale_devices(tmp_path / "slow", {0: {"computation": 90.0, "communication": 10.0}})
+    fedscale_devices(tmp_path / "fast", {0: {"computation": 9.0, "communication": 10.0}})
+    sweep_file = tmp_path / "s.toml"
+    sweep_file.write_text("""
+[base.network.traces.phones]
+file = "slow"
+use = ["compute"]
+[axes]
+"network.traces.phones.file" = ["slow", "fast"]
+"network.traces.phones.assign" = ["index", "random"]
+""")
+    points = expand(load_spec(sweep_file))
+    assert len(points) == 4 and len({p.hash for p in points}) == 4
+    assert {p.config["network"]["traces"]["phones"]["file"] for p in points} == \
+        {str(tmp_path / "slow"), str(tmp_path / "fast")}
+    bad = tmp_path / "bad.toml"
+    bad.write_text(sweep_file.read_text().replace('["slow", "fast"]', '["slow", "missing"]'))
+    with pytest.raises(Exception, match="missing does not exist"):
+        expand(load_spec(bad))
