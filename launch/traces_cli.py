@@ -82,6 +82,12 @@ def summary(table: TraceTable) -> dict:
         means = [_mean(table.series(e, name), span) for e in entries if name in table.entries[e]]
         if means:
             out[name] = np.asarray(means)
+    if len(entries) == 1 and any(name in out for name in RATE_FIELDS):  # one link (Mahimahi): its rate over time
+        name = next(n for n in RATE_FIELDS if n in out)
+        rate = table.series(entries[0], name)
+        step = max((span or 1.0) / 400, 0.1)  # Mahimahi's steps are 1 ms: average over 100 ms at least
+        grid = np.arange(0.0, span or 1.0, step)
+        out["rate_over_time"] = (grid, np.asarray([rate.served(t, t + step) / step for t in grid]), step)
     for name in ("flops", "example_s"):
         values = [float(table.entries[e][name][1][0]) for e in entries if name in table.entries[e]]
         if values:
@@ -124,8 +130,8 @@ def stats(file: str, fmt: str, figure: str | None) -> None:
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     s = summary(table)
-    click.echo(f"{file}: {s['format']} trace, {s['entries']} entries ({s['repeating']} repeating), "
-               f"span {s['span_s']:g} s")
+    click.echo(f"{file}: {s['format']} trace, {s['entries']} {'entry' if s['entries'] == 1 else 'entries'} "
+               f"({s['repeating']} repeating), span {s['span_s']:g} s")
     click.echo(f"  fields: {', '.join(s['fields'])}")
     for name in RATE_FIELDS:
         if name in s:
@@ -156,7 +162,13 @@ def draw(s: dict, out: Path) -> None:
               or (p == "online" and "online_share" in s)]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        if panel == "rates":
+        if panel == "rates" and "rate_over_time" in s:
+            grid, rate, step = s["rate_over_time"]
+            ax.step(grid, rate * 8e-6, where="post")
+            ax.set_xlabel("time (s)")
+            ax.set_ylabel(f"rate (Mbit/s, mean over {step * 1000:g} ms)")
+            ax.set_ylim(bottom=0)
+        elif panel == "rates":
             for name, style in zip(RATE_FIELDS, ("-", "--")):  # dashed: the downlink, often the uplink's equal
                 if name in s:
                     _cdf(ax, s[name] * 8e-6, name[:-len("_bytes_per_s")] + "link", style)
@@ -179,11 +191,12 @@ def draw(s: dict, out: Path) -> None:
             ax.set_xlabel("time (h)" if hours else "time (s)")
             ax.set_ylabel("share of entries online")
             ax.set_ylim(0, 1)
-        if panel != "online":
+        if panel != "online" and not (panel == "rates" and "rate_over_time" in s):
             ax.set_ylabel("share of entries")
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{Path(s['source']).name}: {s['entries']} entries", fontsize=10)
+    fig.suptitle(f"{Path(s['source']).name}: {s['entries']} {'entry' if s['entries'] == 1 else 'entries'}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -3,7 +3,8 @@
 ``events.jsonl`` is append-only and flushed (and fsynced) per line, so a run killed
 half-way keeps every line it wrote; so is ``clients.csv`` (one row per selected client
 per round), which a run writes when its rounds are too large to list their clients in
-each round event (``run.client_log``). ``summary.json`` is replaced atomically.
+each round event (``run.client_log``), and ``tasks.csv`` (a row per task of an
+asynchronous rule at a fixed concurrency). ``summary.json`` is replaced atomically.
 
 A write that fails (a full disk, EIO, a read-only remount) raises :class:`RunLogError`
 naming the file and the error, after cutting the log back to its last whole line: every
