@@ -292,7 +292,10 @@ def test_bandwidth_by_time_of_day_scales_the_rate_hour_by_hour():
     tod = TimeOfDay(seed=1, bandwidth=tuple([1.0] * 12 + [0.5] * 12))
     # 1000 B/s nominal: 11:30 to 12:00 at 1000 B/s, then 500 B/s.
     start = 11.5 * HOUR_S
-    assert tod.finish(0, UP, 1000.0, start, 1800 * 1000 + 500 * 100) == pytest.approx(12 * HOUR_S + 100)
+    rate = tod.rate(0, UP, 1000.0)
+    assert rate.finish(start, 1800 * 1000 + 500 * 100) == pytest.approx(12 * HOUR_S + 100)
+    assert rate.served(start, 12 * HOUR_S + 100) == pytest.approx(1800 * 1000 + 500 * 100)
+    assert rate.value_at(start) == 1000 and rate.next_change(start) == 12 * HOUR_S and rate.value_at(12 * HOUR_S) == 500
     jittered = TimeOfDay(seed=1, bandwidth=tuple([1.0] * 24), bandwidth_sigma=0.5)
     factors = {jittered.bandwidth_factor(k, UP, 0.0) for k in range(20)}
     assert len(factors) == 20 and jittered.bandwidth_factor(3, UP, 10.0) == jittered.bandwidth_factor(3, UP, 3000.0)

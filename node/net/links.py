@@ -35,8 +35,8 @@ from typing import Any
 
 from ..streams import uniform
 from .population import LinkTrace, Population, population_from_config
-from .time_of_day import TimeOfDay, time_of_day_from_config
-from .traces import StepSeries
+from .time_of_day import HourlyRate, TimeOfDay, time_of_day_from_config
+from .traces import RateTrace, StepSeries
 
 UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}
@@ -301,17 +301,23 @@ class Network:
         state.last_arrival = max(state.last_arrival, arrival)
         return Verdict(arrival, None, arrival - now)
 
-    def serialized(self, link: int, direction: int, bandwidth: float, start: float, size: int) -> float:
-        """When ``size`` bytes that start on the link at ``start`` have all left it: at
-        the rate of the link's trace where it has one, else at ``bandwidth`` (scaled by
-        the client's time of day, if the network has a bandwidth profile)."""
+    def rate(self, link: int, direction: int, bandwidth: float) -> RateTrace | HourlyRate | None:
+        """The link's rate over emulated time where it changes: its trace's, else
+        ``bandwidth`` (the profile's) scaled by the client's hour if the network has a
+        bandwidth profile; None: a constant ``bandwidth``. A transport asks this for its
+        access link (both kinds answer finish, served, value_at, next_change)."""
         trace = self.link_traces.get(link)
         rate = None if trace is None else (trace.up if direction == UP else trace.down)
         if rate is not None:
-            return rate.finish(start, size)
+            return rate
         if self.time_of_day is not None and self.time_of_day.bandwidth is not None and math.isfinite(bandwidth):
-            return self.time_of_day.finish(link, direction, bandwidth, start, size)
-        return start + size / bandwidth
+            return self.time_of_day.rate(link, direction, bandwidth)
+        return None
+
+    def serialized(self, link: int, direction: int, bandwidth: float, start: float, size: int) -> float:
+        """When ``size`` bytes that start on the link at ``start`` have all left it."""
+        rate = self.rate(link, direction, bandwidth)
+        return start + size / bandwidth if rate is None else rate.finish(start, size)
 
     @staticmethod
     def _lost(profile: LinkProfile, state: LinkState, draw) -> bool:

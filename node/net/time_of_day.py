@@ -102,19 +102,56 @@ class TimeOfDay:
     def bandwidth_factor(self, client: int, direction: int, t: float) -> float:
         return self._factor(client, direction, math.floor((t + self._shift_s(client)) / HOUR_S))
 
-    def finish(self, client: int, direction: int, bandwidth: float, start: float, size: float) -> float:
-        """When ``size`` bytes starting at ``start`` have crossed a link of nominal
-        ``bandwidth`` scaled hour by hour."""
-        shift = self._shift_s(client)
-        hour = math.floor((start + shift) / HOUR_S)
+    def rate(self, client: int, direction: int, bandwidth: float) -> HourlyRate:
+        """The link's rate over time: ``bandwidth`` scaled by the client's hour."""
+        return HourlyRate(self, client, direction, bandwidth)
+
+
+@dataclass(frozen=True)
+class HourlyRate:
+    """A link's rate that steps at each local hour: the same operations as
+    traces.RateTrace (finish, served, value_at, next_change), so a transport takes
+    either."""
+
+    tod: TimeOfDay
+    client: int
+    direction: int
+    bandwidth: float
+
+    def _hour(self, t: float) -> tuple[int, float]:
+        """(the client's local hour at t, when it ends in emulated time)."""
+        shift = self.tod._shift_s(self.client)
+        hour = math.floor((t + shift) / HOUR_S)
+        return hour, (hour + 1) * HOUR_S - shift
+
+    def _rate(self, hour: int) -> float:
+        return self.bandwidth * self.tod._factor(self.client, self.direction, hour)
+
+    def value_at(self, t: float) -> float:
+        return self._rate(self._hour(t)[0])
+
+    def next_change(self, t: float) -> float:
+        return self._hour(t)[1]
+
+    def served(self, start: float, end: float) -> float:
+        hour, hour_end = self._hour(start)
+        t, total = start, 0.0
+        while t < end:
+            stop = min(end, hour_end)
+            total += self._rate(hour) * (stop - t)
+            t, hour, hour_end = stop, hour + 1, hour_end + HOUR_S
+        return total
+
+    def finish(self, start: float, size: float) -> float:
+        """When ``size`` bytes starting at ``start`` have crossed the link."""
+        hour, hour_end = self._hour(start)
         t, left = start, float(size)
         while True:
-            rate = bandwidth * self._factor(client, direction, hour)
-            hour_end = (hour + 1) * HOUR_S - shift
+            rate = self._rate(hour)
             if left <= rate * (hour_end - t):
                 return t + left / rate
             left -= rate * (hour_end - t)
-            t, hour = hour_end, hour + 1
+            t, hour, hour_end = hour_end, hour + 1, hour_end + HOUR_S
 
 
 def _after(t: float) -> float:
