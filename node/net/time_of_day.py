@@ -120,9 +120,12 @@ class HourlyRate:
 
     def _hour(self, t: float) -> tuple[int, float]:
         """(the client's local hour at t, when it ends in emulated time)."""
-        shift = self.tod._shift_s(self.client)
-        hour = math.floor((t + shift) / HOUR_S)
-        return hour, (hour + 1) * HOUR_S - shift
+        hour = math.floor((t + self.tod._shift_s(self.client)) / HOUR_S)
+        return hour, self._end(hour)
+
+    def _end(self, hour: int) -> float:
+        """When local ``hour`` ends, in emulated time (computed afresh, not summed: no drift)."""
+        return (hour + 1) * HOUR_S - self.tod._shift_s(self.client)
 
     def _rate(self, hour: int) -> float:
         return self.bandwidth * self.tod._factor(self.client, self.direction, hour)
@@ -139,7 +142,8 @@ class HourlyRate:
         while t < end:
             stop = min(end, hour_end)
             total += self._rate(hour) * (stop - t)
-            t, hour, hour_end = stop, hour + 1, hour_end + HOUR_S
+            t, hour = stop, hour + 1
+            hour_end = self._end(hour)
         return total
 
     def finish(self, start: float, size: float) -> float:
@@ -151,7 +155,8 @@ class HourlyRate:
             if left <= rate * (hour_end - t):
                 return t + left / rate
             left -= rate * (hour_end - t)
-            t, hour, hour_end = hour_end, hour + 1, hour_end + HOUR_S
+            t, hour = hour_end, hour + 1
+            hour_end = self._end(hour)
 
 
 def _after(t: float) -> float:
