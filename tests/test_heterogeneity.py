@@ -194,8 +194,11 @@ windows = [{ clients = "0-4", start_s = 0, end_s = 50 }]
 
 
 def test_fedasync_clients_arrive_as_a_poisson_process_up_to_the_concurrency(tmp_path):
-    run_dir = tmp_path / "run"
-    launch(run_dir, """
+    """FLSim's arrivals, capped at 4 at once; the same run on one worker node and on two
+    (and beside whatever else loads the host) starts the same tasks at the same times
+    and ends with the same weights."""
+    run_dir, again = tmp_path / "run", tmp_path / "again"
+    config = """
 [data]
 clients = 20
 [algorithm]
@@ -205,8 +208,13 @@ arrival_rate = 20.0
 eval_every_uploads = 10
 [run]
 rounds = 3
-""")
+"""
+    launch(run_dir, config)
+    launch(again, config, workers=2)
     tasks = tasks_of(run_dir)
+    assert tasks_of(again) == tasks
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (run_dir, again)]
+    assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]
     starts = sorted(float(t["start_s"]) for t in tasks)
     assert starts[0] > 0.0 and len(set(starts)) == len(starts)  # one at a time, from the first arrival on
     assert most_at_once(tasks, rounds_of(run_dir)[-1]["emulated_s"]) <= 4
