@@ -237,6 +237,17 @@ class Network:
     def profile(self, link: int, direction: int) -> LinkProfile:
         return self.profiles.get((link, direction), self.default[direction])
 
+    def profile_at(self, link: int, direction: int, now: float) -> LinkProfile:
+        """The link's profile for a message entering at ``now``: its trace's latency and
+        loss at that time, where it has them, replace the profile's (its rate: ``rate``)."""
+        profile = self.profile(link, direction)
+        trace = self.link_traces.get(link)
+        if trace is None or (trace.latency_ms is None and trace.loss is None):
+            return profile
+        return dataclasses.replace(
+            profile, **({"latency_ms": trace.latency_ms.value_at(now)} if trace.latency_ms is not None else {}),
+            **({"loss": trace.loss.value_at(now), "ge_p": 0.0} if trace.loss is not None else {}))
+
     @property
     def ideal(self) -> bool:
         """True when no message could be delayed or dropped: the broker skips the model."""
@@ -254,13 +265,7 @@ class Network:
     def transmit(self, link: int, direction: int, size: int, now: float) -> Verdict:
         """Admit a message of ``size`` bytes entering ``link`` at emulated time ``now``."""
         key = (link, direction)
-        profile = self.profile(link, direction)
-        trace = self.link_traces.get(link)
-        if trace is not None and (trace.latency_ms is not None or trace.loss is not None):
-            # The trace's latency and loss at the message's entry replace the profile's.
-            profile = dataclasses.replace(
-                profile, **({"latency_ms": trace.latency_ms.value_at(now)} if trace.latency_ms is not None else {}),
-                **({"loss": trace.loss.value_at(now), "ge_p": 0.0} if trace.loss is not None else {}))
+        profile = self.profile_at(link, direction, now)
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = LinkState()
