@@ -173,6 +173,10 @@ class HostAgent:
     def start(self) -> None:
         b = self.bundle
         (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
+        if "population_json" in b:
+            from .config import POPULATION_FILE
+
+            (self.run_dir / POPULATION_FILE).write_text(b["population_json"])
         credentials = []
         for option, field, name in (("--keys", "keys", "run.keys"), ("--token-file", "token", "run.token")):
             path = self.run_dir / name

@@ -310,8 +310,11 @@ def host_agent(slurm_task: bool) -> None:
 # The study commands (issue 7) live in study_cli.py.
 from .study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep, sweep_task as _sweep_task  # noqa: E402
 
+from .traces_cli import traces as _traces  # noqa: E402
+
 main.add_command(_sweep)
 main.add_command(_sweep_task)
 main.add_command(_report)
 main.add_command(_compare)
 main.add_command(_export)
+main.add_command(_traces)

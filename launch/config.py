@@ -204,8 +204,23 @@ def load(path: str | Path | None, overrides: list[str] = (), values: dict | None
         _merge(config, copy.deepcopy(values), source="the config given")
     for item in overrides:
         apply_override(config, item)
+    absolute_trace_paths(config)
     validate(config)
     return config
+
+
+def absolute_trace_paths(config: dict) -> None:
+    """Trace files named relative to the current directory, made absolute: the run's
+    processes, its config.toml and a sweep's points then all name the same files."""
+    traces = config.get("network", {}).get("traces")
+    if not isinstance(traces, dict):
+        return  # validation names the problem
+    for entry in traces.values():
+        files = entry.get("file") if isinstance(entry, dict) else None
+        if isinstance(files, str) and files:
+            entry["file"] = str(Path(files).resolve())
+        elif isinstance(files, list) and all(isinstance(f, str) and f for f in files):
+            entry["file"] = [str(Path(f).resolve()) for f in files]
 
 
 def _merge(config: dict, user: dict, source: str) -> None:
@@ -430,26 +445,60 @@ def findings(config: dict) -> list:
 
 def network_parts(config: dict):
     """(NetworkSpec for the broker, StragglerSpec for the workers) of a config; a bad
-    value raises ConfigError naming the key."""
+    value raises ConfigError naming the key. Reads the config's trace files."""
     from fedemu.node.net.links import LinkConfigError, NetworkSpec
-    from fedemu.worker.stragglers import stragglers_from_config
 
     section = dict(config.get("network", {}))
-    stragglers = section.pop("stragglers", {})
+    section.pop("stragglers", None)
     K, seed = config["data"]["clients"], config["run"]["seed"]
     try:
-        return (NetworkSpec.from_config(section, K, seed, config["run"]["time_scale"]),
-                stragglers_from_config(stragglers, K, seed))
+        return NetworkSpec.from_config(section, K, seed, config["run"]["time_scale"]), straggler_spec(config)
     except LinkConfigError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def compute_model(config: dict):
-    """How the run's clients are charged for their local work (worker.ml.devices)."""
+def straggler_spec(config: dict):
+    """network.stragglers alone (what a worker node needs: it may run where the trace
+    files are not)."""
+    from fedemu.node.net.links import LinkConfigError
+    from fedemu.worker.stragglers import stragglers_from_config
+
+    try:
+        return stragglers_from_config(config.get("network", {}).get("stragglers", {}), config["data"]["clients"],
+                                      config["run"]["seed"])
+    except LinkConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+POPULATION_FILE = "population.json"
+
+
+def population_record(config: dict) -> dict | None:
+    """What the run directory records of a run's population (its ``population.json``):
+    each trace's files with their sha256, and each client's own device speed (JSON keys
+    are strings), or None when the config has neither traces nor device classes.
+    Worker nodes read their speeds from it, so a host without the trace files can run them."""
+    network = config.get("network", {})
+    if not network.get("traces") and not network.get("devices"):
+        return None
+    population = network_parts(config)[0].population
+    return {"traces": population.digests(),
+            "compute": {str(k): speed for k, speed in sorted(population.compute().items())}}
+
+
+def compute_model(config: dict, run_dir: Path | None = None):
+    """How the run's clients are charged for their local work (worker.ml.devices): each
+    client's own device speed from the run directory's population.json, if it has one."""
+    import json
+
     from fedemu.worker.ml.devices import ComputeModel
 
     run = config["run"]
-    return ComputeModel(clock=run["clock"], charge=run["compute"], device_flops=run["device_flops"])
+    speeds = {}
+    if run_dir is not None and (run_dir / POPULATION_FILE).exists():
+        record = json.loads((run_dir / POPULATION_FILE).read_text())
+        speeds = {int(k): v for k, v in record.get("compute", {}).items()}
+    return ComputeModel(clock=run["clock"], charge=run["compute"], device_flops=run["device_flops"], speeds=speeds)
 
 
 def compression_spec(config: dict):

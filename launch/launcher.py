@@ -12,7 +12,7 @@ from typing import Callable
 from . import config as configuration
 from .lifecycle import STOP_SIGNALS, raise_on_stop_signals, restore_signals
 from .local import LocalRun
-from .rundir import LaunchError, make_run_dir, write_run_file
+from .rundir import LaunchError, make_run_dir, write_run_config
 
 
 def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], None], machines=None,
@@ -59,7 +59,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
                 run.on_event = progress.event
 
             def prepare() -> None:
-                write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+                write_run_config(config, run_dir)
                 data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
                 echo(f"run directory: {run_dir}")
 

@@ -137,9 +137,9 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
                     token_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
     from fedemu.server import algorithm
-    from fedemu.server.async_engine import AsyncEngine
+    from fedemu.server.async_engine import AsyncEngine, Concurrency
     from fedemu.server.engine import RoundEngine, Stop
-    from fedemu.launch.config import data_spec, model_spec, server_settings
+    from fedemu.launch.config import POPULATION_FILE, data_spec, model_spec, server_settings
     from fedemu.server.runlog import RunLog
     from fedemu.worker.ml import split
     from fedemu.worker.client import warm_up
@@ -152,6 +152,9 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     run_data, _ = split.run_data(data_spec(config), shares=False)
     rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
     settings = server_settings(config, workers, str(device))
+    population = run_dir / POPULATION_FILE
+    if population.exists():  # the trace files' sha256, for the start event
+        settings.traces = json.loads(population.read_text())["traces"]
     runlog = RunLog(run_dir)
     tensorboard = None
     if config["run"]["tensorboard"]:
@@ -161,8 +164,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         runlog.listeners.append(tensorboard.on_event)
     model = model_spec(config)
     if not rule.synchronous:
-        engine = AsyncEngine(settings, rule, model, run_data, runlog,
-                             lr=algo["lr"], lr_decay=algo["lr_decay"], on_deadlock=algo["on_deadlock"])
+        engine = AsyncEngine(settings, rule, model, run_data, runlog, lr=algo["lr"], lr_decay=algo["lr_decay"],
+                             on_deadlock=algo["on_deadlock"], concurrency=Concurrency.from_config(algo))
     else:
         engine = RoundEngine(settings, rule, model, run_data, runlog)
     # Round 1's evaluation is not a cold start.
@@ -215,12 +218,12 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
-    from fedemu.launch.config import compute_model, data_spec, model_spec, network_parts
+    from fedemu.launch.config import compute_model, data_spec, model_spec, straggler_spec
     from fedemu.worker.ml import split
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)
-    _, stragglers = network_parts(config)
+    stragglers = straggler_spec(config)
     data_cfg = config["data"]
     _set_torch_threads(config, workers)
     device = _device(config, f"worker-{index}")
@@ -240,7 +243,7 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
     try:
         host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
                      model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
-                     stragglers=stragglers, compute=compute_model(config),
+                     stragglers=stragglers, compute=compute_model(config, run_dir),
                      restarts=config["run"]["restart_clients"], device=device)
     except (NodeError, TimeoutError):
         if not node.closed.is_set():

@@ -51,3 +51,21 @@ def write_run_file(path: Path, text: str) -> None:
         write_text_atomically(path, text)
     except RunLogError as exc:
         raise LaunchError(str(exc)) from None
+
+
+def write_run_config(config: dict, run_dir: Path) -> None:
+    """The files every run directory starts with: the resolved config.toml, and with
+    traces or device classes, population.json (the trace files' sha256 and each
+    client's device speed: worker nodes read their speeds there)."""
+    import json
+
+    from . import config as configuration
+
+    write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+    try:
+        population = configuration.population_record(config)
+    except configuration.ConfigError as exc:  # a trace file changed since the config was checked
+        raise LaunchError(str(exc)) from None
+    if population is not None:
+        write_run_file(run_dir / configuration.POPULATION_FILE, json.dumps(population, indent=1))
+

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import config as configuration
 
 if TYPE_CHECKING:
     from .machines import Machines
@@ -32,10 +31,10 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
 def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threading.Event,
                on_start: Callable[[list[int]], None] | None, machines: Machines | None) -> dict:
     from .launcher import open_run
-    from .rundir import LaunchError, write_run_file
+    from .rundir import LaunchError, write_run_config
 
     try:
-        write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+        write_run_config(config, run_dir)
     except LaunchError as exc:
         return {"status": "failed", "reason": str(exc)}
 

@@ -202,6 +202,7 @@ def expand(spec: Spec) -> list[Point]:
         where = f"point {pid}"
         for key, value in params.items():
             set_key(config, key, value, where)
+        configuration.absolute_trace_paths(config)  # a trace file as an axis: named from here, as in a launch
         try:
             configuration.validate(config)
             kfold.check(config)

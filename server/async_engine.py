@@ -24,6 +24,20 @@ a request it has answered already again (with compression, the very same model),
 merging or counting it again, and resends AsyncStart to a client it has not heard from. Models are numbered by the
 server (``sent``) and the number travels with the model, so both sides agree on an
 upload's base whatever was lost. Each evaluation event counts the repeats the server saw.
+
+Concurrency (``algorithm.concurrency``, FedBuff's and Papaya's): at most that many
+clients hold a task at once. A task is one local update from the model the client's
+AsyncStart carries, ended by the server's TaskDone once the upload is in; the server
+then starts another client, chosen uniformly from the live clients without a task
+(stream ``concurrency``), or, with ``arrival_rate`` > 0, starts one at each arrival of
+a Poisson process (FLSim's asynchronous trainer; stream ``arrivals``) if a place is
+free. The server does not see devices go offline (a start sent to an offline device
+is lost, and resent as any AsyncStart): ``client_timeout_s`` gives a task's place to
+another client when its upload has not come in time, and the server stops choosing
+that client until it checks in (``CheckIn``: a device that comes back online says so,
+as real devices check in with their server). Every task is a row of ``tasks.csv``
+(client, started, ended, how). The default, 0, starts every client at once, each
+looping on its own, as before.
 """
 from __future__ import annotations
 
@@ -32,14 +46,15 @@ import heapq
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess
+from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, FetchRequest, ModelReply, Upload,
-                                    WorkerReady, retry_wait)
+from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, CheckIn, FetchRequest, ModelReply,
+                                    TaskDone, TaskStart, Upload, WorkerReady, retry_wait)
 
 from .async_rules import AsyncRule
 from .engine import Engine, Settings
@@ -48,13 +63,46 @@ from .runlog import RunLog
 log = logging.getLogger("fedemu.server")
 
 
+@dataclass(frozen=True)
+class Concurrency:
+    """How many clients train at once and how new ones start (algorithm.concurrency,
+    arrival_rate, client_timeout_s); the default: every client at once, for ever."""
+
+    limit: int = 0  # at most this many clients hold a task; 0: no limit
+    arrival_rate: float = 0.0  # > 0: a client starts at each arrival (per emulated second); 0: as one ends
+    timeout_s: float = 0.0  # a task's place goes to another client after this long without its upload; 0: never
+
+    @classmethod
+    def from_config(cls, algorithm: dict) -> Concurrency:
+        return cls(algorithm.get("concurrency", 0), algorithm.get("arrival_rate", 0.0),
+                   algorithm.get("client_timeout_s", 0.0))
+
+    @property
+    def tasks(self) -> bool:
+        """Whether clients run tasks the server starts, rather than all looping at once."""
+        return self.limit > 0 or self.arrival_rate > 0
+
+
 class AsyncEngine(Engine):
     synchronous = False
 
     def __init__(self, settings: Settings, rule: AsyncRule, model: ModelSpec, data: Data, runlog: RunLog,
-                 lr: float, lr_decay: float = 0.0, on_deadlock: str = "stop"):
+                 lr: float, lr_decay: float = 0.0, on_deadlock: str = "stop", concurrency: Concurrency = Concurrency()):
         super().__init__(settings, model, data, runlog)
         self.rule = rule
+        self.concurrency = concurrency
+        # Tasks (concurrency): the clients holding one, each with (started, its number);
+        # when each one's place is given up ((due, client, number), soonest first); when
+        # the next arrival comes; the ended tasks' rows for tasks.csv, written at each
+        # evaluation.
+        self.tasks: dict[int, tuple[float, int]] = {}
+        self.unavailable: set[int] = set()  # a task timed out, and the client has not checked in since
+        self._task_count = 0
+        self._task_timeouts: list[tuple[float, int, int]] = []
+        self._next_arrival = math.inf
+        self._arrivals = 0
+        self._task_rows: list[tuple] = []
+        self.late_uploads = 0  # uploads from clients whose task had been given away
         self.algorithm = rule.name
         self.lr, self.lr_decay = lr, lr_decay
         self.on_deadlock = on_deadlock
@@ -90,12 +138,90 @@ class AsyncEngine(Engine):
         self.starts_resent = 0  # AsyncStarts resent since the last evaluation
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
-        self._start_clients(proc, sorted(self.live))
+        if not self.concurrency.tasks:
+            self._start_clients(proc, sorted(self.live))
+        elif self.concurrency.arrival_rate > 0:
+            self._schedule_arrival(proc.now())
+        else:
+            self._fill(proc)
         try:
             return self._serve(proc)
         finally:
+            self._task_rows += [(n, k, round(started, 6), None, "unfinished") for k, (started, n) in self.tasks.items()]
+            self._write_tasks(proc.now())
             for k in self.live:
                 proc.send(self.pids[k], AsyncStop("the run ended"))
+
+    # --- tasks: concurrency -------------------------------------------------------------------
+
+    def _fill(self, proc: ThreadProcess) -> None:
+        """Start clients until ``concurrency`` hold a task (or none is free)."""
+        while len(self.tasks) < self.concurrency.limit and self._start_task(proc):
+            pass
+
+    def _start_task(self, proc: ThreadProcess) -> bool:
+        """Start one client chosen uniformly from the live ones without a task."""
+        free = sorted(self.live - set(self.tasks) - self.unavailable)
+        if not free:
+            return False
+        self._task_count += 1
+        n = self._task_count
+        k = free[int(streams.generator(self.settings.seed, "concurrency", n).integers(len(free)))]
+        now = proc.now()
+        self.tasks[k] = (now, n)
+        if self.concurrency.timeout_s > 0:
+            heapq.heappush(self._task_timeouts, (now + self.concurrency.timeout_s, k, n))
+        s = self.settings
+        start = TaskStart(
+            rule=self.rule.name, weights=self.weights, age=self.age, epochs=s.epochs, batch_size=s.batch_size,
+            lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, uploads_delta=self.rule.uploads_delta,
+            compression=s.compression if self.codec else None, retry_s=s.retry_s)
+        self.ages[k] = self.age
+        self.doing[k] = "training (a task)"
+        self._send_model(proc, k, self.pids[k], start)  # numbers the model: a start resent later is recognised
+        self._await_start(k, start, now + s.retry_s, 0)
+        return True
+
+    def _end_task(self, proc: ThreadProcess, k: int, outcome: str) -> None:
+        """Client k's task is over (uploaded, down, timeout): record it, free its place."""
+        started, n = self.tasks.pop(k)
+        self._task_rows.append((n, k, round(started, 6), round(proc.now(), 6), outcome))
+        self.unheard.pop(k, None)
+        self.ages.pop(k, None)
+        self.doing[k] = f"idle (task {outcome})"
+        if self.concurrency.arrival_rate == 0:
+            self._fill(proc)
+
+    def _schedule_arrival(self, after: float) -> None:
+        self._arrivals += 1
+        gap = streams.generator(self.settings.seed, "arrivals", self._arrivals).exponential(
+            1.0 / self.concurrency.arrival_rate)
+        self._next_arrival = after + gap
+
+    def _task_timers(self, proc: ThreadProcess) -> float:
+        """Arrivals and timeouts due by now; returns when the next one is due."""
+        now = proc.now()
+        while self._next_arrival <= now:
+            if not self.concurrency.limit or len(self.tasks) < self.concurrency.limit:
+                self._start_task(proc)
+            self._schedule_arrival(self._next_arrival)
+        timeouts = self._task_timeouts
+        while timeouts and timeouts[0][0] <= now:
+            _, k, n = heapq.heappop(timeouts)
+            if self.tasks.get(k, (0, None))[1] == n:  # else that task ended already
+                log.info("client %d: no upload within client_timeout_s; its place goes to another client", k)
+                proc.send(self.pids[k], TaskDone(0, "timeout"))
+                self.unavailable.add(k)
+                self._end_task(proc, k, "timeout")
+        while timeouts and self.tasks.get(timeouts[0][1], (0, None))[1] != timeouts[0][2]:
+            heapq.heappop(timeouts)  # stale: that task ended before its timeout
+        return min(self._next_arrival, timeouts[0][0] if timeouts else math.inf)
+
+    def _write_tasks(self, now: float) -> None:
+        """The tasks' rows recorded since the last call, to tasks.csv."""
+        rows, self._task_rows = sorted(self._task_rows), []
+        if rows:
+            self.runlog.tasks(rows)
 
     def _start_clients(self, proc: ThreadProcess, ks: list[int]) -> None:
         """Start the asynchronous loops of clients ``ks`` from the current global model: one
@@ -127,7 +253,12 @@ class AsyncEngine(Engine):
 
     def _resend_starts(self, proc: ThreadProcess) -> float:
         """Resend AsyncStart (the same message: same model number) to every client not
-        heard from within the retry interval; returns when the next one is due."""
+        heard from within the retry interval; returns when the next one is due. Also
+        handles the tasks' arrivals and timeouts (concurrency)."""
+        next_task_event = self._task_timers(proc) if self.concurrency.tasks else math.inf
+        return min(next_task_event, self._resend_due_starts(proc))
+
+    def _resend_due_starts(self, proc: ThreadProcess) -> float:
         now, dues = proc.now(), self._start_dues
         while dues:
             due, k = dues[0]
@@ -154,7 +285,7 @@ class AsyncEngine(Engine):
         while True:
             next_start = self._resend_starts(proc)
             wake = min(next_start, self._busy_until if self._queue else math.inf)
-            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady),
+            msg = self._receive(proc, (AgeRequest, FetchRequest, Upload, Down, WorkerReady, CheckIn),
                                 timeout=None if wake == math.inf else max(0.0, wake - proc.now()),
                                 wall_timeout=last_progress + s.progress_timeout_s
                                 - time.monotonic())  # wall
@@ -198,11 +329,22 @@ class AsyncEngine(Engine):
             return None
         if isinstance(body, Upload):  # the local work behind it, into the timeline
             self.timeline.reply(self._evaluation + 1, body.client, body.started_s, body.ended_s, body.compute_s)
-        if isinstance(body, WorkerReady):
-            self._start_clients(proc, self._rejoin(proc, msg, self._evaluation))
+        if isinstance(body, CheckIn):
+            if self.pids.get(body.client) == msg.sender and body.client in self.unavailable:
+                self.unavailable.discard(body.client)
+                if self.concurrency.arrival_rate == 0:
+                    self._fill(proc)
+        elif isinstance(body, WorkerReady):
+            restarted = self._rejoin(proc, msg, self._evaluation)
+            if not self.concurrency.tasks:
+                self._start_clients(proc, restarted)
+            elif self.concurrency.arrival_rate == 0:  # live again, to be chosen like any other
+                self._fill(proc)
         elif isinstance(body, Down):
-            self._client_down(proc, body, self._evaluation)
+            lost = self._client_down(proc, body, self._evaluation)
             k = self.client_of.get(body.pid)
+            if lost is not None and lost in self.tasks:
+                self._end_task(proc, lost, "down")
             for table in (self.ages, self.bases, self.unheard, self.replies):
                 table.pop(k, None)
             if any(queued.body.client == k for queued in self._queue):  # a dead client's request goes unserved
@@ -237,8 +379,17 @@ class AsyncEngine(Engine):
             self.doing[body.client] = "fetched (outdated)"
             self._reply_model(proc, msg)
             return None
+        if self.concurrency.tasks and body.client not in self.tasks:
+            # Its task was given to another client meanwhile (client_timeout_s): not merged.
+            self.late_uploads += 1
+            self._reply_task_done(proc, msg, "late")
+            return None
         if ((body.encoded is not None and not self._decode(body, self._evaluation))
                 or not self._usable(body.update, body.client, self._evaluation, self.lr)):
+            if self.concurrency.tasks:  # the update is lost; the task is over all the same
+                self._reply_task_done(proc, msg, "refused")
+                self._end_task(proc, body.client, "refused")
+                return None
             # The update is lost, not the client: give it the model to go on from.
             self.ages[body.client] = self.age
             self.doing[body.client] = "sent an update that was refused"
@@ -250,9 +401,13 @@ class AsyncEngine(Engine):
         self.weights, self.age, merged = self.rule.merge(self.weights, self.age, body)
         self._merges += merged
         self.totals.aggregations += merged
-        self.ages[body.client] = self.age
-        self.doing[body.client] = f"uploaded (staleness {staleness})"
-        self._reply_model(proc, msg)
+        if self.concurrency.tasks:
+            self._reply_task_done(proc, msg, "uploaded")
+            self._end_task(proc, body.client, "uploaded")
+        else:
+            self.ages[body.client] = self.age
+            self.doing[body.client] = f"uploaded (staleness {staleness})"
+            self._reply_model(proc, msg)
         if self.totals.uploads - self._uploads_at_eval >= self.settings.eval_every:
             self._uploads_at_eval = self.totals.uploads
             self._evaluation += 1
@@ -281,10 +436,17 @@ class AsyncEngine(Engine):
             if isinstance(body, AgeRequest):
                 proc.send(msg.sender, AgeReply(self.age, body.request))
             elif self.replies.get(k) is not None:
-                proc.send(msg.sender, self.replies[k])  # the same numbered model: a compressed upload's base
+                # The same numbered model (a compressed upload's base), or a task's end.
+                proc.send(msg.sender, self.replies[k])
             else:
                 self._reply_model(proc, msg)  # uncompressed: the model as it is now serves as well
         return False
+
+    def _reply_task_done(self, proc: ThreadProcess, msg: Message, reason: str) -> None:
+        """End the task whose upload this is; a repeat of the upload gets the same answer."""
+        reply = TaskDone(msg.body.request, reason)
+        self.replies[msg.body.client] = reply
+        proc.send(msg.sender, reply)
 
     def _reply_model(self, proc: ThreadProcess, msg: Message) -> None:
         """Answer a fetch or upload with the global model. With compression the reply is
@@ -340,7 +502,7 @@ class AsyncEngine(Engine):
         accuracy, loss = self._evaluate()
         traffic, broker, _ = self._traffic_since_last(proc, evaluation)
         self._record(evaluation, accuracy)
-        staleness = [self.age - self.ages[k] for k in self.live]
+        staleness = [self.age - self.ages[k] for k in self.live if k in self.ages]
         self.runlog.event(
             "round", round=evaluation, accuracy=accuracy, loss=loss, participants=len(uploaders),
             uploads=len(uploaders), total_uploads=self.totals.uploads, merges=merges, age=self.age,
@@ -350,9 +512,12 @@ class AsyncEngine(Engine):
             round_emulated_s=round(proc.now() - self._period_started, 6),
             duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
             **({"age_requests": self.age_requests, "fetches": self.fetches} if self.rule.age_filter is not None else {}),
+            **({"training": len(self.tasks), "tasks_started": self._task_count, "late_uploads": self.late_uploads}
+               if self.concurrency.tasks else {}),
         )
-        self.duplicates = self.starts_resent = self.age_requests = self.fetches = 0
+        self.duplicates = self.starts_resent = self.age_requests = self.fetches = self.late_uploads = 0
         now = proc.now()
+        self._write_tasks(now)
         self.timeline.round_span(evaluation, self._period_started, now, "evaluated")
         self.timeline.flush()
         self._period_started = now

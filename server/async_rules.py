@@ -12,6 +12,25 @@ from fedemu.worker.protocol import OVER_ACTIVE, Upload
 
 from .algorithm import Algorithm, Finding, register
 
+# How many clients train at once (server/async_engine.py, Concurrency): options of the
+# rules whose papers run a fixed concurrency (FedBuff; FedAsync's clients are started by
+# its scheduler, so it takes them too). CO-OP's age filter and its deadlock analysis
+# (Nilsson et al.'s Theorem A.1) assume every client loops, so it has none.
+CONCURRENCY_OPTIONS = {
+    "concurrency": Key(int, "asynchronous rules: at most this many clients train at once; when one's upload is in "
+                       "(or it is lost, or times out), another is started, chosen uniformly from the live clients "
+                       "without a task (stream 'concurrency'); 0: every client at once, each looping for ever",
+                       check=non_negative, rule=">= 0", default=0),
+    "arrival_rate": Key(float, "asynchronous rules: > 0: a client starts at each arrival of a Poisson process of "
+                        "this rate (per emulated second, stream 'arrivals'; FLSim's asynchronous trainer), if fewer "
+                        "than concurrency (when > 0) train; 0: a client starts as one ends",
+                        check=non_negative, rule=">= 0", default=0.0),
+    "client_timeout_s": Key(float, "asynchronous rules with concurrency or arrival_rate: emulated seconds a task may "
+                            "run before its place goes to another client (the server cannot see a device go offline); "
+                            "0: a task keeps its place until its upload comes", **interval("[0, 1e9]"),
+                            default=0.0),
+}
+
 
 class AsyncRule(Algorithm):
     """Every client loops on its own (train E epochs, then upload); ``merge`` folds one
@@ -117,6 +136,7 @@ class FedAsync(AsyncRule):
                          default="polynomial"),
         "staleness_a": Key(float, "FedAsync staleness parameter a", **interval("[0, 100]"), default=0.5),
         "staleness_b": Key(float, "FedAsync hinge parameter b", **interval("[0, 1e9]"), default=4.0),
+        **CONCURRENCY_OPTIONS,
     }
 
     def __init__(self, alpha: float, staleness: str, a: float, b: float) -> None:
@@ -144,6 +164,7 @@ class FedBuff(AsyncRule):
         "buffer_size": Key(int, "FedBuff: uploads per aggregation", check=positive, rule="> 0", default=10),
         "server_lr": Key(float, "FedBuff server learning rate", **interval(f"(0, {MAX_LEARNING_RATE:g}]"),
                          default=1.0),
+        **CONCURRENCY_OPTIONS,
     }
 
     def __init__(self, buffer_size: int, server_lr: float) -> None:

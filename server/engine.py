@@ -93,6 +93,7 @@ class Settings:
     # Wall seconds to wait for the launcher's word on how a lost worker node's process ended
     # (outcome.NodeExits); 0: nobody gives it.
     node_exit_wait_s: float = 0.0
+    traces: dict | None = None  # the run's trace files and their sha256, by trace name (population.json)
 
     @property
     def per_round(self) -> int:
@@ -320,7 +321,8 @@ class Engine:
                           per_round=self.settings.per_round, time_scale=self.settings.time_scale,
                           clock=self.settings.clock,
                           dataset=self.data.name, test_samples=len(self.data.test_y),
-                          **({"eval_every_uploads": self.settings.eval_every} if not self.synchronous else {}))
+                          **({"eval_every_uploads": self.settings.eval_every} if not self.synchronous else {}),
+                          **({"traces": self.settings.traces} if self.settings.traces else {}))
         self.timeline.flush()
 
     def _receive(self, proc: ThreadProcess, kinds: tuple, timeout: float | None = None,

@@ -2,8 +2,9 @@
 
 ``events.jsonl`` is append-only and flushed (and fsynced) per line, so a run killed
 half-way keeps every line it wrote; so are its tables, ``clients.csv`` (one row per
-selected client per round) and ``timeline.csv`` (server/timeline.py), each appended once
-per round. ``summary.json`` is replaced atomically.
+selected client per round), ``timeline.csv`` (server/timeline.py), each appended once
+per round, and ``tasks.csv`` (a row per task of an asynchronous rule at a fixed
+concurrency). ``summary.json`` is replaced atomically.
 
 A write that fails (a full disk, EIO, a read-only remount) raises :class:`RunLogError`
 naming the file and the error, after cutting the log back to its last whole line: every
@@ -21,6 +22,8 @@ from typing import Any
 
 EVENTS = "events.jsonl"
 CLIENTS = "clients.csv"
+TASKS = "tasks.csv"  # asynchronous rules with a concurrency: one row per task
+TASK_COLUMNS = ("task", "client", "start_s", "end_s", "outcome")
 SUMMARY = "summary.json"
 RESERVE = "summary.reserve"
 RESERVE_BYTES = 4096  # a summary is well under 2 KB: one page (tmpfs) or block (ext4) holds it
@@ -127,6 +130,10 @@ class RunLog:
         except RunLogError as exc:
             self.failed = exc
             raise
+
+    def tasks(self, rows: list[tuple]) -> None:
+        """Append rows (TASK_COLUMNS) to tasks.csv."""
+        self.table(TASKS, TASK_COLUMNS, rows)
 
     def summary(self, **fields: Any) -> dict:
         """Write summary.json (atomically), using the space reserved for it."""

@@ -15,5 +15,6 @@ def test_there_are_examples_for_every_algorithm():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_every_example_passes_the_static_checks(path):
+def test_every_example_passes_the_static_checks(path, monkeypatch):
+    monkeypatch.chdir(path.parent.parent)  # trace files are named from the repository's root, where examples run
     config.load(path)  # raises ConfigError naming the key or the rule

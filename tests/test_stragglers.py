@@ -50,3 +50,21 @@ def test_a_bad_group_is_named_by_its_place(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
         stragglers_of(tmp_path, text)
     assert message in str(err.value)
+
+
+def test_a_clients_own_device_speed_replaces_device_flops_and_its_straggler_factor_multiplies():
+    from fedemu.worker.ml.datasets import get as dataset_named
+    from fedemu.worker.ml.devices import ComputeModel, training_flops_per_example
+    from fedemu.worker.ml.models import ModelSpec
+
+    model = ModelSpec("2nn", dataset_named("mnist"))
+    per_example = training_flops_per_example(model)
+    compute = ComputeModel(clock="virtual", device_flops=1e9,
+                           speeds={0: {"flops": 4e9}, 1: {"example_s": 0.01, "example_s:2nn": 0.002},
+                                   2: {"example_s": 0.01}})
+    # (seconds the device spends, the hold: times the straggler factor)
+    assert compute.times(model, 100, 3.0, 0.0, 0.0, client=0) == pytest.approx((100 * per_example / 4e9,
+                                                                                 300 * per_example / 4e9))
+    assert compute.times(model, 100, 1.0, 0.0, 0.0, client=1) == pytest.approx((0.2, 0.2))  # the model's own figure
+    assert compute.times(model, 100, 2.0, 0.0, 0.0, client=2) == pytest.approx((1.0, 2.0))
+    assert compute.times(model, 100, 1.0, 0.0, 0.0, client=7)[0] == pytest.approx(100 * per_example / 1e9)

@@ -20,8 +20,8 @@ from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
 from .protocol import (
-    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, FetchRequest, ModelReply, RetryDue,
-    TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait, update_problem,
+    AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, CheckIn, FetchRequest, ModelReply, RetryDue, TaskDone,
+    TaskStart, TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait, update_problem,
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
@@ -85,6 +85,7 @@ class Client(Behaviour):
         self.task_state: dict = {}  # a local task's state between rounds (worker.tasks.TaskInput.state)
         self._async: AsyncStart | None = None
         self._server: Pid | None = None
+        self._task_server: Pid | None = None  # who starts this client's tasks (algorithm.concurrency)
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
         self._age = 0
         self._base: np.ndarray | None = None  # the last model received: deltas are taken from it
@@ -118,12 +119,19 @@ class Client(Behaviour):
                 log.info("client %d: round %d closed without it; its held reply is not sent", self.client_id,
                          body.round)
         elif isinstance(body, AsyncStart):
-            if self._async is not None:  # the server resends it until it hears from us
+            if self._async is not None or (isinstance(body, TaskStart) and body.model <= self._bases):
+                # The server resends it until it hears from us; a task's start may also come
+                # again after the task ended (its number is not new then).
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
                 return
             self._async, self._server = body, msg.sender
+            if isinstance(body, TaskStart):
+                self._task_server = msg.sender
             self._new_base(body.weights, body.age, body.model)
             self._train_async(proc)
+        elif isinstance(body, TaskDone):
+            if self._async is not None and (body.request == 0 or self._answers(body.request, Upload, body)):
+                self._end_task(body.reason)
         elif isinstance(body, TrainAgain) and self._async is not None:
             self._train_async(proc)
         elif isinstance(body, RetryDue) and self._async is not None:
@@ -140,6 +148,16 @@ class Client(Behaviour):
         else:
             log.warning("client %d ignores %r from %s", self.client_id, type(body).__name__, msg.sender)
 
+    def _end_task(self, reason: str) -> None:
+        """A task is over (algorithm.concurrency): drop the work and wait for a new start."""
+        for timer in (self._retry_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._async, self._pending, self._retry_timer, self._send_timer = None, None, None, None
+        self._weights = self._base = self._untrained = None
+        self._stopped = False
+        log.debug("client %d: task over (%s)", self.client_id, reason)
+
     # --- the device going offline and coming back -------------------------------------------
 
     def link_changed(self, proc: BehaviourProcess, offline: bool) -> None:
@@ -147,6 +165,8 @@ class Client(Behaviour):
         a reply held back for a slow device is never sent (send_after's unless_offline).
         Asynchronous rules pick up where they were when the device is back."""
         log.debug("client %d is %s", self.client_id, "offline" if offline else "back online")
+        if not offline and self._task_server is not None:  # available for a task again
+            proc.send(self._task_server, CheckIn(self.client_id))
         if self._async is None:
             return
         if offline:
@@ -228,7 +248,7 @@ class Client(Behaviour):
         if self._cache.device.type != "cpu":
             cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
         compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
-                                             measured_s, cpu_s)
+                                             measured_s, cpu_s, self.client_id)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=result.update,
             num_samples=len(self.indices), train_loss=float(result.loss), compute_s=compute_s, slowdown=slowdown,
@@ -336,7 +356,8 @@ class Client(Behaviour):
 
     def _times(self, slowdown: float, measured_s: float, cpu_s: float) -> tuple[float, float]:
         """An asynchronous local update's (compute seconds, hold): E epochs of n_k."""
-        return self.compute.times(self.model, self._async.epochs * len(self.indices), slowdown, measured_s, cpu_s)
+        return self.compute.times(self.model, self._async.epochs * len(self.indices), slowdown, measured_s, cpu_s,
+                                  self.client_id)
 
     def _local_update(self) -> None:
         """One local update of w_k (E epochs from the current weights); sets _measured."""

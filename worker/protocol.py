@@ -120,6 +120,14 @@ class AsyncStart:
 
 
 @message
+class TaskStart(AsyncStart):
+    """An AsyncStart for one task (algorithm.concurrency): train once from this model,
+    upload, and wait for the next start (TaskDone ends the task), where an AsyncStart's
+    client loops on every ModelReply for ever. A type of its own, so AsyncStart stays
+    the same bytes on the wire (and today's runs the same timing)."""
+
+
+@message
 class AgeRequest:
     """CO-OP: a client that finished training asks the server's age a."""
 
@@ -172,6 +180,25 @@ class Upload:
     request: int = 0
     started_s: float | None = None  # the local update's span in emulated time, as TrainReply's
     ended_s: float | None = None
+
+
+@message
+class TaskDone:
+    """The server ends a client's task (algorithm.concurrency): its upload (request
+    ``request``) was taken, or (request 0) the server gave its place to another client.
+    The client drops its work and waits for its next AsyncStart."""
+
+    request: int = 0
+    reason: str = "uploaded"
+
+
+@message
+class CheckIn:
+    """A client whose device came back online tells the server it is available for a
+    task (algorithm.concurrency), as a real device checks in: the server, which cannot
+    see devices go offline, stops choosing a client whose task timed out until then."""
+
+    client: int
 
 
 @message

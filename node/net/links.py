@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..streams import uniform
+from .population import LinkTrace, Population, population_from_config
+from .time_of_day import HourlyRate, TimeOfDay, time_of_day_from_config
+from .traces import RateTrace, StepSeries
 
 UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}
@@ -216,6 +220,10 @@ class Network:
         self.states: dict[tuple[int, int], LinkState] = {}
         self.offline: set[int] = set()  # forced offline (the API), besides availability
         self.availability: Availability | None = None
+        # Conditions over time: a client's link following its trace (rate, latency,
+        # loss), or every link's bandwidth scaled by the client's time of day.
+        self.link_traces: dict[int, LinkTrace] = {}
+        self.time_of_day: TimeOfDay | None = None
         self.round = 0  # the round the server announced last (for per-round drop-outs)
         # The server's side: downloads leave through its uplink, uploads enter its downlink.
         self.server_links = {
@@ -229,10 +237,22 @@ class Network:
     def profile(self, link: int, direction: int) -> LinkProfile:
         return self.profiles.get((link, direction), self.default[direction])
 
+    def profile_at(self, link: int, direction: int, now: float) -> LinkProfile:
+        """The link's profile for a message entering at ``now``: its trace's latency and
+        loss at that time, where it has them, replace the profile's (its rate: ``rate``)."""
+        profile = self.profile(link, direction)
+        trace = self.link_traces.get(link)
+        if trace is None or (trace.latency_ms is None and trace.loss is None):
+            return profile
+        return dataclasses.replace(
+            profile, **({"latency_ms": trace.latency_ms.value_at(now)} if trace.latency_ms is not None else {}),
+            **({"loss": trace.loss.value_at(now), "ge_p": 0.0} if trace.loss is not None else {}))
+
     @property
     def ideal(self) -> bool:
         """True when no message could be delayed or dropped: the broker skips the model."""
-        return (not self.offline and self.availability is None
+        return (not self.offline and self.availability is None and not self.link_traces
+                and (self.time_of_day is None or self.time_of_day.bandwidth is None)
                 and all(p.ideal for p in self.default.values())
                 and all(p.ideal for p in self.profiles.values())
                 and all(b is None for b in self.server_links.values()))
@@ -245,7 +265,7 @@ class Network:
     def transmit(self, link: int, direction: int, size: int, now: float) -> Verdict:
         """Admit a message of ``size`` bytes entering ``link`` at emulated time ``now``."""
         key = (link, direction)
-        profile = self.profile(link, direction)
+        profile = self.profile_at(link, direction, now)
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = LinkState()
@@ -271,7 +291,9 @@ class Network:
         if direction == DOWN and shared is not None:  # leaves the server through its uplink first
             entry = shared.serialize(entry, wire_size)
         start = max(entry, state.busy_until)
-        tx_end = start + wire_size / profile.bandwidth
+        tx_end = self.serialized(link, direction, profile.bandwidth, start, wire_size)
+        if tx_end == math.inf:  # the link's trace serves nothing from some time on
+            return Verdict(None, "outage")
         state.busy_until = tx_end
         state.in_flight.append((tx_end, wire_size))
         state.queued_bytes += wire_size
@@ -283,6 +305,24 @@ class Network:
             arrival = max(arrival, state.last_arrival)
         state.last_arrival = max(state.last_arrival, arrival)
         return Verdict(arrival, None, arrival - now)
+
+    def rate(self, link: int, direction: int, bandwidth: float) -> RateTrace | HourlyRate | None:
+        """The link's rate over emulated time where it changes: its trace's, else
+        ``bandwidth`` (the profile's) scaled by the client's hour if the network has a
+        bandwidth profile; None: a constant ``bandwidth``. A transport asks this for its
+        access link (both kinds answer finish, served, value_at, next_change)."""
+        trace = self.link_traces.get(link)
+        rate = None if trace is None else (trace.up if direction == UP else trace.down)
+        if rate is not None:
+            return rate
+        if self.time_of_day is not None and self.time_of_day.bandwidth is not None and math.isfinite(bandwidth):
+            return self.time_of_day.rate(link, direction, bandwidth)
+        return None
+
+    def serialized(self, link: int, direction: int, bandwidth: float, start: float, size: int) -> float:
+        """When ``size`` bytes that start on the link at ``start`` have all left it."""
+        rate = self.rate(link, direction, bandwidth)
+        return start + size / bandwidth if rate is None else rate.finish(start, size)
 
     @staticmethod
     def _lost(profile: LinkProfile, state: LinkState, draw) -> bool:
@@ -337,6 +377,8 @@ class Availability:
     windows: list[tuple[frozenset[int] | None, float, float]] = field(default_factory=list)
     leave: list[tuple[frozenset[int] | None, float]] = field(default_factory=list)  # gone for good from t
     on_off: tuple[frozenset[int] | None, float, float] | None = None  # (clients, mean up s, mean down s)
+    traced: dict[int, StepSeries] = field(default_factory=dict)  # a client's trace: online 1, offline 0
+    diurnal: TimeOfDay | None = None  # online by the client's local hour ([network.time_of_day] online)
     _switches: dict[int, list[float]] = field(default_factory=dict)
 
     def offline(self, link: int, now: float, round_: int) -> bool:
@@ -352,6 +394,11 @@ class Availability:
         for group, at in self.leave:
             if now >= at and covers(group):
                 return True
+        trace = self.traced.get(link)
+        if trace is not None and trace.value_at(now) == 0:
+            return True
+        if self.diurnal is not None and not self.diurnal.online_at(link, now):
+            return True
         if self.on_off is not None and covers(self.on_off[0]):
             return self._on_off_offline(link, now)
         return False
@@ -359,7 +406,7 @@ class Availability:
     @property
     def timed(self) -> bool:
         """Whether any rule changes a client's state with time (not only per round)."""
-        return bool(self.windows or self.leave or self.on_off)
+        return bool(self.windows or self.leave or self.on_off or self.traced or self.diurnal)
 
     def next_change(self, link: int, now: float) -> float:
         """The first time after ``now`` at which a time-based rule may change whether
@@ -374,6 +421,11 @@ class Availability:
         for group, at in self.leave:
             if covers(group) and at > now:
                 soonest = min(soonest, at)
+        trace = self.traced.get(link)
+        if trace is not None:
+            soonest = min(soonest, trace.next_change(now))
+        if self.diurnal is not None:
+            soonest = min(soonest, self.diurnal.next_online_change(link, now))
         if self.on_off is not None and covers(self.on_off[0]):
             self._on_off_offline(link, now)  # draws switches up to past now
             switches = self._switches[link]
@@ -407,10 +459,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Lighthouse's mobile throttling ("Slow 4G", formerly "Fast 3G"; WebPageTest's
     # "Mobile 3G - Fast"): 150 ms RTT, 1.6 Mbps down, 750 kbps up.
     "3g": {"latency_ms": 75, "up": {"bandwidth": "750kbit"}, "down": {"bandwidth": "1.6Mbit"}},
+    # Ookla's Speedtest Global Index, September 2020, global averages (as reported at
+    # my-financial-wealth.com/2020/10/25/the-global-mobile-and-broadband-internet-speed-ranking):
+    # mobile 35.96 Mbps down, 11.22 Mbps up, 40 ms latency; fixed broadband 85.73 down,
+    # 45.74 up, 21 ms. Speedtest's latency is a round trip: half of it each way.
+    "mobile-2020": {"latency_ms": 20, "up": {"bandwidth": "11.22Mbit"}, "down": {"bandwidth": "35.96Mbit"}},
+    "broadband-2020": {"latency_ms": 10.5, "up": {"bandwidth": "45.74Mbit"}, "down": {"bandwidth": "85.73Mbit"}},
 }
 
 NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
-                "profiles", "assign", "events", "dropout")
+                "profiles", "assign", "events", "dropout", "traces", "devices", "time_of_day")
 
 
 def profile_pair(name: str, values: dict, where: str) -> tuple[LinkProfile, LinkProfile]:
@@ -454,6 +512,8 @@ class NetworkSpec:
     assign: list[tuple[str, frozenset[int] | str]] = field(default_factory=list)
     events: list[ScriptedEvent] = field(default_factory=list)
     availability: Availability | None = None
+    population: Population | None = None  # traces mapped to clients, device classes
+    time_of_day: TimeOfDay | None = None
     raw: dict = field(default_factory=dict)  # the section as given, to hand to the broker
 
     @classmethod
@@ -503,12 +563,22 @@ class NetworkSpec:
             events.append(ScriptedEvent(known(entry.get("profile"), f"{where}.profile"),
                                         _group(entry, where, num_clients, seed),
                                         entry.get("at_round"), entry.get("at_s")))
+        population = population_from_config(section, num_clients, seed,
+                                            lambda entry, where: _group(entry, where, num_clients, seed), LinkConfigError)
+        time_of_day = time_of_day_from_config(section.get("time_of_day", {}), num_clients, seed, parse_ids,
+                                              LinkConfigError)
+        availability = _availability(section.get("dropout", {}), num_clients, seed)
+        traced = population.online()
+        if traced or (time_of_day is not None and time_of_day.online is not None):
+            availability = availability or Availability(seed=seed)
+            availability.traced = traced
+            availability.diurnal = time_of_day if time_of_day is not None and time_of_day.online is not None else None
         return cls(
             num_clients=num_clients, seed=seed, time_scale=float(time_scale), default_profile=default,
             server_up_bandwidth=parse_bandwidth(section.get("server_up_bandwidth", "unlimited"), "network.server_up_bandwidth"),
             server_down_bandwidth=parse_bandwidth(section.get("server_down_bandwidth", "unlimited"), "network.server_down_bandwidth"),
-            profiles=profiles, assign=assign, events=events,
-            availability=_availability(section.get("dropout", {}), num_clients, seed), raw=section,
+            profiles=profiles, assign=assign, events=events, availability=availability, population=population,
+            time_of_day=time_of_day, raw=section,
         )
 
     @property
@@ -517,7 +587,9 @@ class NetworkSpec:
         used = {self.default_profile, *(name for name, _ in self.assign), *(e.profile for e in self.events)}
         lossy = any(p.loss > 0 or p.ge_p > 0 or p.queue_messages or p.queue_bytes
                     for name in used for p in self.profiles[name])
-        return lossy or self.availability is not None
+        traced = self.population is not None and any(t.loss is not None or t.up is not None or t.down is not None
+                                                      for t in self.population.links().values())  # loss, outages
+        return lossy or traced or self.availability is not None
 
     @property
     def machines(self) -> list[str]:
@@ -546,6 +618,9 @@ class NetworkSpec:
             if not isinstance(clients, str):  # a host's clients arrive with set_links once placed
                 self.apply(network, name, clients)
         network.availability = self.availability
+        if self.population is not None:
+            network.link_traces = self.population.links()
+        network.time_of_day = self.time_of_day
         return network
 
     def apply(self, network: Network, profile: str, clients: frozenset[int] | None) -> None:

@@ -7,8 +7,11 @@ nothing waits on the host: the work is charged instead.
 * ``compute = "model"`` (the default): the training FLOPs of the work (counted from the
   model's architecture by ``torch.utils.flop_counter``: matrix multiplies and
   convolutions, forward and backward, per example) times the examples processed,
-  divided by the device's speed (``run.device_flops``), times the client's straggler
-  factor. The same on any host: bit-reproducible.
+  divided by the device's speed, times the client's straggler factor. The same on any
+  host: bit-reproducible. A device's speed is ``run.device_flops`` unless the client
+  has its own (a device class or a trace, ``[network.devices]``, ``[network.traces]``):
+  FLOP/s, or seconds per example (FedScale's form, optionally per model:
+  ``example_s:cnn``), which charges examples x that, whatever the model's FLOPs.
 * ``compute = "measured"``: the training thread's CPU time (on a GPU: the task's time,
   the device synchronised), times the straggler factor: the real code's cost, but it
   varies from run to run and host to host (so runs are not bit-reproducible).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -98,6 +101,9 @@ class ComputeModel:
     clock: str = "wall"
     charge: str = "model"
     device_flops: float = 1e9
+    # Clients with their own device: client -> {"flops": FLOP/s} or {"example_s": s per
+    # example, "example_s:MODEL": s for that model} (node.net.population.Population.compute).
+    speeds: dict[int, dict[str, float]] = field(default_factory=dict, compare=False, hash=False)
 
     def prepare(self, model: ModelSpec) -> None:
         """Pay the FLOP count's one-time cost (about a second on first use) before the
@@ -106,7 +112,7 @@ class ComputeModel:
             training_flops_per_example(model)
 
     def times(self, model: ModelSpec, example_passes: float, slowdown: float, measured_s: float,
-              cpu_s: float) -> tuple[float, float]:
+              cpu_s: float, client: int | None = None) -> tuple[float, float]:
         """(compute seconds the device spends, excluding its straggler factor; emulated
         seconds to hold the reply back). ``example_passes``: training passes over single
         examples (E x n_k for FedAvg's training; each task says its own, worker.tasks)."""
@@ -116,9 +122,20 @@ class ComputeModel:
         if self.charge == "measured":
             compute_s = cpu_s
         else:
-            flops = training_flops_per_example(model) * example_passes
-            compute_s = flops / self.device_flops
+            compute_s = self.model_seconds(model, example_passes, client)
         return compute_s, slowdown * compute_s
+
+    def model_seconds(self, model: ModelSpec, example_passes: float, client: int | None = None) -> float:
+        """What ``example_passes`` cost on ``client``'s device (its own speed, else
+        run.device_flops), before any straggler factor."""
+        speed = self.speeds.get(client) if client is not None else None
+        if speed is not None:
+            per_example = speed.get(f"example_s:{model.name}", speed.get("example_s"))
+            if per_example is not None:
+                return per_example * example_passes
+            if "flops" in speed:
+                return training_flops_per_example(model) * example_passes / speed["flops"]
+        return training_flops_per_example(model) * example_passes / self.device_flops
 
 
 # --- the torch device clients train on ------------------------------------------------
