@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,20 +64,45 @@ CUBIC_BETA = 0.7  # Linux: 717/1024
 RENO_BETA = 0.5
 CUBIC_RENO_ALPHA = 3 * (1 - CUBIC_BETA) / (1 + CUBIC_BETA)  # RFC 9438, Reno-friendly region
 CUBIC_CNT_CLAMP = 20  # Linux: with no loss seen yet, grow at least 5% per RTT
-HYSTART = True  # CUBIC's hybrid slow start (Linux: on); False only to compare with a stack without it
 HYSTART_LOW_WINDOW = 16  # segments
 HYSTART_MIN_SAMPLES = 8  # ACKs of a round before the delay test
 HYSTART_ACK_DELTA_S = 0.002  # ACKs further apart break the ACK train
-HYSTART_DELAY_MIN_S, HYSTART_DELAY_MAX_S = 0.004, 0.016  # clamp of delay_min / 8
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The choices in which TCP implementations differ and the model can follow either.
+    LINUX is the model (what fedemu emulates); NS3_337 is ns-3 3.37's TCP, for the
+    benchmark to show which of its differences from ns-3 come from these choices."""
+
+    reno_friendly: bool  # CUBIC's Reno-friendly region (RFC 9438 4.3; ns-3 from 3.41)
+    hystart: bool  # CUBIC's hybrid slow start
+    hystart_train: float  # the ACK train ends slow start past this share of the min RTT
+    hystart_delay: tuple[float, float, float]  # RTT rise: clamp(min RTT / a, b s, c s)
+    backoff_until_sample: bool  # a backed-off RTO holds until an RTT sample of new data
+    # The receiver ACKs the first data segment alone, then every second one, so the
+    # last of an even first window is ACKed only with the next, unless the delayed-ACK
+    # timer fires first (ns-3); Linux's receiver quick-ACKs a connection's first
+    # segments (and after idle).
+    first_ack_alone: bool
+
+
+LINUX = Stack(reno_friendly=True, hystart=True, hystart_train=0.5, hystart_delay=(8, 0.004, 0.016),
+              backoff_until_sample=False, first_ack_alone=False)
+NS3_337 = Stack(reno_friendly=False, hystart=True, hystart_train=1.0, hystart_delay=(1, 0.004, 1.0),
+                backoff_until_sample=True, first_ack_alone=True)
+STACK = LINUX
 DUPTHRESH = 3  # RFC 5681
 LIMITED_TRANSMIT = 2  # RFC 3042
 RTO_MAX_S = 120.0  # Linux's TCP_RTO_MAX
 DELAYED_ACK_SEGMENTS = 2  # RFC 1122/5681: an ACK for every second full segment
+DELAYED_ACK_TIMEOUT_S = 0.04  # Linux's minimum delayed-ACK timer (TCP_ATO_MIN)
 BUFFER_PACKETS = 1000  # tc-netem's default queue limit, Linux's default txqueuelen
 
+_NONE: frozenset = frozenset()
 _FULL_SEGMENT = 1448 + 52  # a default segment on the wire (the shared links' default buffer)
 _OPEN, _RECOVERY, _LOSS = 0, 1, 2
-_EV_SERVICE, _EV_ROUND, _EV_RTO = 0, 1, 2
+_EV_SHARED, _EV_ROUND, _EV_RTO = 0, 1, 2  # event kinds, in the order they run at one instant
 _SHARED = -1  # the link id of a shared link's events (sorts before every client's)
 
 
@@ -166,6 +192,17 @@ class _Round:
         self.slow_start, self.rate, self.cwnd_limited = slow_start, rate, cwnd_limited
 
 
+class _Plan:
+    """A round about to be released (rounds at the same instant share a buffer)."""
+
+    __slots__ = ("flow", "profile", "order", "n", "cwnd_limited", "slow_start", "fast", "clocked", "pile",
+                 "drops", "rtx_at")
+
+    def __init__(self, flow, profile, order, n):
+        self.flow, self.profile, self.order, self.n = flow, profile, order, n
+        self.drops = 0
+
+
 class _Flow:
     """One direction of one client's connection: its stream, its sender's state and its
     place at the bottleneck."""
@@ -180,10 +217,10 @@ class _Flow:
         self.connected = False
         self.reset_connection()
         # service at the bottleneck: chunks [bytes, msg, delivered, delay, mark]
-        self.q: deque = deque()
-        self.q_bytes = 0.0  # bytes queued behind the head chunk
-        self.head_left = 0.0  # bytes of the head chunk still to serve (private link)
-        self.svc_t = 0.0  # when head_left was last brought up to date
+        self.q: deque = deque()  # shared link: chunks not yet served
+        self.q_end = 0.0  # private link: when what is queued has left
+        self.clocked_bytes = 0.0  # of the last round, what goes out as ACKs come, not at once
+        self.released_at = 0.0
         self.rate = math.inf  # private link: the rate serving the queue
         self.group: float | None = None  # shared link: the cap (access rate) of its group
         self.head_target = self.end_target = 0.0  # shared link: V at the head's end, queue's end
@@ -196,8 +233,9 @@ class _Flow:
         self.tiebreak = 0.0  # orders its events among others at the same instant
         # pending events (time or None) and their version, for the heap's lazy deletion
         self.t_round: float | None = None
-        self.t_service: float | None = None
         self.t_rto: float | None = None
+        self.queued_round = self.queued_rto = None  # the times last put on the heap
+        self.waking = False  # its t_round starts a round for data that came while idle
         self.ver = 0
         self.last_delivery = 0.0  # deliveries of a stream never overtake one another
 
@@ -212,8 +250,11 @@ class _Flow:
         self.stall_since: float | None = None
         self.lsnd = -math.inf  # last time data was sent
         self.round: _Round | None = None  # the round whose ACKs are awaited
+        self.rounds = 0  # rounds sent on this connection
         self.clock = 0  # segments the last ACKs delivered: they release the next round
+        self.ss_grown = 0.0  # the window's growth in slow start from those ACKs
         self.pre_sends = self.pre_clock = 0  # a detection round: sends before the retransmissions
+        self.detect_delay = 0.0  # and how long after its start the retransmissions go
         self.last_sent = 0  # segments released by the last round that sent any
         self.prr_last = 0  # segments delivered in the last round of a recovery
         self.lost: list[int] = []  # detected lost segments, to retransmit
@@ -228,7 +269,6 @@ class _Flow:
         self.epoch: float | None = None
         self.k = 0.0
         self.origin = 0.0
-        self.ack_cnt = 0.0
         self.w_est = 0.0
         self.delay_min = math.inf
         self.found = False  # HyStart has ended slow start once (until a timeout)
@@ -240,7 +280,7 @@ class _Flow:
         # Messages change as their segments arrive; the queued chunks point at them.
         copies = {id(m): m.copy() for m in self.msgs}
         state["msgs"] = [copies[id(m)] for m in self.msgs]
-        state["q"] = deque([c[0], copies.get(id(c[1]), c[1]), c[2], c[3], c[4]] for c in self.q)
+        state["q"] = deque([c[0], copies.get(id(c[1]), c[1]), *c[2:]] for c in self.q)
         for name in ("lost", "undetected", "stuck"):
             state[name] = list(state[name])
         return state
@@ -273,6 +313,7 @@ class _Shared:
         self.t_next: float | None = None
         self.ver = 0
         # The windows of the flows with data out (for the queue they stand in):
+        self.draws = 0  # random draws made (the stream counter)
         self.members = 0
         self.sum_window = 0.0  # bytes
         self.sum_rtt = 0.0  # their base round trips, s
@@ -280,11 +321,13 @@ class _Shared:
     def snapshot(self) -> dict:
         return {"t": self.t, "fair": self.fair, "t_next": self.t_next, "ver": self.ver,
                 "members": self.members, "sum_window": self.sum_window, "sum_rtt": self.sum_rtt,
+                "draws": self.draws,
                 "groups": {cap: (g.v, g.rate, g.n, g.sum_end) for cap, g in self.groups.items()}}
 
     def restore(self, state: dict) -> None:
         self.t, self.fair, self.t_next, self.ver = state["t"], state["fair"], state["t_next"], state["ver"]
         self.members, self.sum_window, self.sum_rtt = state["members"], state["sum_window"], state["sum_rtt"]
+        self.draws = state["draws"]
         groups = {}
         for cap, (v, rate, n, sum_end) in state["groups"].items():
             g = self.groups.get(cap) or _Group(cap)
@@ -328,6 +371,8 @@ class TcpTransport:
         self._saved: dict[int, tuple] = {}
         self._ahead = -math.inf
         self._base = 0.0  # when the speculation began
+        # No input can come before this time (inputs at it can): events before it stand.
+        self._safe = 0.0
         self._returned = -math.inf  # completions up to this time were handed out
         self._event_time = 0.0
         # {(link, direction): segments}: new segments lost on their first transmission,
@@ -353,8 +398,12 @@ class TcpTransport:
                    profile.overhead_bytes)
         flow.msgs.append(msg)
         flow.end_seg += msg.nseg
-        if flow.round is None:  # no ACKs are due to release it: send now
-            self._wake(flow, t)
+        if flow.round is None and not flow.waking:
+            # No ACKs are due to release it: a round starts now, with every other
+            # connection's that starts at this instant (they share the bottleneck).
+            flow.waking = True
+            flow.t_round = t
+            self._schedule(flow)
 
     def next_arrival(self, until: float = math.inf) -> float:
         """The earliest time at which a pending message completes (or a connection
@@ -370,11 +419,13 @@ class TcpTransport:
             if when > best or when == math.inf:
                 return best
             if when > until:
-                self.now = max(self.now, until)
-                self._commit(self.now)
                 return math.inf if best > until else best
-            if until < math.inf:
-                self.now = max(self.now, when)
+            if until < math.inf and when < until and when < best:
+                # No input comes before min(until, the answer), and the answer is at or
+                # after this event: nothing to keep for undoing it.
+                self._safe = max(self._safe, math.nextafter(when, math.inf))
+                if self._ahead < self._safe:
+                    self._commit(self._safe)
             self._step()
 
     def arrivals(self, t: float) -> list:
@@ -384,8 +435,9 @@ class TcpTransport:
             raise ValueError(f"time went backwards: {t} after {self.now}")
         self._advance(t)
         self.now = t
+        self._safe = max(self._safe, t)
         self._commit(t)
-        self._returned = t
+        self._returned = max(self._returned, t)
         out = []
         while self.done and self.done[0][0] <= t:
             out.append(heapq.heappop(self.done)[4])
@@ -426,9 +478,7 @@ class TcpTransport:
             self._touch(flow)
             cap = self.profile(link, direction).bandwidth
             shared = self.shared[direction]
-            if shared is None:
-                self._retime_private(flow, t, cap)
-            elif cap != flow.group:
+            if shared is not None and cap != flow.group:
                 self._touch(shared)
                 self._advance_shared(shared, t)
                 left_head = flow.head_target - shared.groups[flow.group].v
@@ -440,36 +490,46 @@ class TcpTransport:
     # --- time, events and the undo log ---------------------------------------------
 
     def _input(self, t: float) -> None:
+        """Before an input at t: what happened before t happened; events at t wait (an
+        input at t comes before them, so all inputs at one instant act together)."""
         if t < self.now:
             raise ValueError(f"time went backwards: {t} after {self.now}")
+        if t < self._safe:
+            raise ValueError(f"an input at {t} after next_arrival(until=...) promised none before {self._safe}")
         self._rollback(t)
-        self.now = t
-        self._advance(t)
+        self._advance(t, before=True)
+        self.now = self._safe = t
         self._commit(t)
-        self._event_time = t
+        self._event_time = -math.inf  # an input's own changes are never undone
 
-    def _advance(self, t: float) -> None:
-        while self._peek() <= t:
+    def _advance(self, t: float, before: bool = False) -> None:
+        """Process the events at or before t (strictly before, with ``before``)."""
+        while True:
+            when = self._peek()
+            if when > t or (before and when == t):
+                return
             self._step()
 
     def _peek(self) -> float:
+        entry = self._peek_entry()
+        return math.inf if entry is None else entry[0]
+
+    def _peek_entry(self) -> tuple | None:
+        """The next valid event's heap entry (stale ones are dropped), or None. A
+        flow's entry is valid while the flow still waits for that event at that time."""
         heap = self.heap
         while heap:
             when, kind, _, link, direction, ver = heap[0]
             if link == _SHARED:
                 shared = self.shared[direction]
                 if shared.ver == ver and shared.t_next == when:
-                    return when
+                    return heap[0]
             else:
-                flow = self.flows.get((link, direction))
-                if flow is not None and flow.ver == ver and self._pending(flow, kind) == when:
-                    return when
+                flow = self.flows[(link, direction)]
+                if (flow.t_round if kind == _EV_ROUND else flow.t_rto) == when:
+                    return heap[0]
             heapq.heappop(heap)
-        return math.inf
-
-    @staticmethod
-    def _pending(flow: _Flow, kind: int) -> float | None:
-        return flow.t_service if kind == _EV_SERVICE else flow.t_round if kind == _EV_ROUND else flow.t_rto
+        return None
 
     def _step(self) -> None:
         when, kind, _, link, direction, _ = heapq.heappop(self.heap)
@@ -479,52 +539,67 @@ class TcpTransport:
             return
         flow = self.flows[(link, direction)]
         self._touch(flow)
-        if kind == _EV_SERVICE:
-            flow.t_service = None
-            self._on_private_service(flow, when)
-        elif kind == _EV_ROUND:
-            flow.t_round = None
-            self._on_round(flow, when)
-        else:
-            flow.t_rto = None
+        if kind == _EV_RTO:
+            flow.t_rto = flow.queued_rto = None
             self._on_rto(flow, when)
+            return
+        flow.t_round = flow.queued_round = None
+        if self.shared[direction] is None:
+            self._on_rounds([flow], when)
+            return
+        # Rounds released at the same instant into a shared link pile on its buffer
+        # together (a broadcast, synchronized uploads): take them as one.
+        batch = [flow]
+        while True:
+            top = self._peek_entry()
+            if top is None or top[0] != when or top[1] != _EV_ROUND or top[3] == _SHARED or top[4] != direction:
+                break
+            heapq.heappop(self.heap)
+            other = self.flows[(top[3], direction)]
+            self._touch(other)
+            other.t_round = other.queued_round = None
+            batch.append(other)
+        self._on_rounds(batch, when)
 
-    def _schedule(self, flow: _Flow) -> None:
-        """Push the flow's pending events under a new version (older entries go stale)."""
-        self.version += 1
-        flow.ver = self.version
-        for kind, when in ((_EV_SERVICE, flow.t_service), (_EV_ROUND, flow.t_round), (_EV_RTO, flow.t_rto)):
-            if when is not None:
-                heapq.heappush(self.heap, (when, kind, flow.tiebreak, flow.link, flow.direction, flow.ver))
+    def _schedule(self, flow: _Flow, kind: int | None = None) -> None:
+        """Queue the flow's pending events (of one kind, or both): an entry whose time
+        no longer matches the flow's is skipped when it comes up."""
+        if kind != _EV_RTO and flow.t_round is not None and flow.t_round != flow.queued_round:
+            flow.queued_round = flow.t_round
+            heapq.heappush(self.heap, (flow.t_round, _EV_ROUND, flow.tiebreak, flow.link, flow.direction, 0))
+        if kind != _EV_ROUND and flow.t_rto is not None and flow.t_rto != flow.queued_rto:
+            flow.queued_rto = flow.t_rto
+            heapq.heappush(self.heap, (flow.t_rto, _EV_RTO, flow.tiebreak, flow.link, flow.direction, 0))
 
     def _schedule_shared(self, shared: _Shared) -> None:
         self.version += 1
         shared.ver = self.version
         if shared.t_next is not None:
-            heapq.heappush(self.heap, (shared.t_next, _EV_SERVICE, -1.0, _SHARED, shared.direction, shared.ver))
+            heapq.heappush(self.heap, (shared.t_next, _EV_SHARED, -1.0, _SHARED, shared.direction, shared.ver))
 
     def _touch(self, obj) -> None:
-        """Before a speculative event (one after ``now``) first changes ``obj``, keep
-        what it was, so an earlier input can undo the speculation."""
-        if self._event_time > self.now:
+        """Before a speculative event first changes ``obj``, keep what it was, so an
+        input that comes before (or at the time of) that event can undo it. Events at
+        ``now`` or later are speculative, and every event once a speculation began."""
+        if self._event_time >= self._safe or self._saved:
             key = id(obj)
             if not self._saved:
-                self._base = self.now
+                self._base = self._safe
             if key not in self._saved:
                 self._saved[key] = (obj, obj.snapshot())
             if self._event_time > self._ahead:
                 self._ahead = self._event_time
 
     def _commit(self, t: float) -> None:
-        """Everything simulated up to t stands (no input can come before t)."""
-        if self._ahead <= t:
+        """Everything simulated before t stands (no input can come before t)."""
+        if self._ahead < t:
             self._saved.clear()
             self._ahead = -math.inf
 
     def _rollback(self, t: float) -> None:
-        """An input at t came before events already simulated: go back to the state
-        before the speculation (it began at ``now``); the events up to t run again."""
-        if self._ahead <= t:
+        """An input at t came before (or at the time of) events already simulated: go
+        back to the state when the speculation began; the events before t run again."""
+        if self._ahead < t:
             return
         for obj, state in self._saved.values():
             obj.restore(state)
@@ -550,6 +625,7 @@ class TcpTransport:
                 self.version += 1
                 flow.gver = self.version
                 heapq.heappush(shared.groups[flow.group].heap, (flow.head_target, flow.link, flow.gver))
+            flow.queued_round = flow.queued_rto = None
             self._schedule(flow)
         for shared in self.shared.values():
             if shared is not None:
@@ -576,10 +652,9 @@ class TcpTransport:
         reverse = self.profile(link, 1 - direction)
         return not (reverse.latency_ms or reverse.jitter_ms)
 
-    def _wake(self, flow: _Flow, t: float) -> None:
+    def _wake(self, flow: _Flow, t: float, profile: LinkProfile) -> int:
         """Data to send and no round awaiting ACKs: open the connection, or restart its
-        window after idle, and send."""
-        profile = self.profile(flow.link, flow.direction)
+        window after idle. Returns what is still in flight from before."""
         if not flow.connected:
             flow.connected = True
             flow.cc = profile.congestion
@@ -589,10 +664,10 @@ class TcpTransport:
             rtt = self._base_rtt(flow, profile)
             self._rtt_sample(flow, rtt, 1, profile)
             flow.delay_min = rtt
-        elif not (flow.lost or flow.undetected or flow.stuck) and t - flow.lsnd > flow.rto \
-                and t >= flow.ack_end:
+            return 0
+        if not (flow.lost or flow.undetected or flow.stuck) and t - flow.lsnd > flow.rto and t >= flow.ack_end:
             self._restart_window(flow, t, profile)
-        self._send_round(flow, t, profile, self._outstanding(flow, t))
+        return self._outstanding(flow, t)
 
     def _restart_window(self, flow: _Flow, t: float, profile: LinkProfile) -> None:
         """Linux's tcp_cwnd_restart: the window halves per RTO idle, down to
@@ -636,19 +711,36 @@ class TcpTransport:
     # --- rounds ---------------------------------------------------------------------------
 
     def _on_round(self, flow: _Flow, t: float) -> None:
-        """The ACKs of the last round arrive: learn from them, then release the next."""
-        profile = self.profile(flow.link, flow.direction)
-        rnd, flow.round = flow.round, None
-        if rnd is not None:
-            self._feedback(flow, rnd, t, profile)
-        if flow.connected:
-            self._send_round(flow, t, profile)
+        """The ACKs of the last round arrive (or data arrived at an idle connection):
+        learn from them, then release the next round."""
+        self._on_rounds([flow], t)
+
+    def _on_rounds(self, flows: list[_Flow], t: float) -> None:
+        """Several flows' ACKs arrive at the same instant: each learns, then their next
+        rounds are released together."""
+        plans = []
+        for flow in flows:
+            profile = self.profile(flow.link, flow.direction)
+            in_flight = 0
+            if flow.waking:
+                flow.waking = False
+                in_flight = self._wake(flow, t, profile)
+            rnd, flow.round = flow.round, None
+            if rnd is not None:
+                self._feedback(flow, rnd, t, profile)
+            if flow.connected:
+                plan = self._plan_round(flow, t, profile, in_flight)
+                if plan is not None:
+                    plans.append(plan)
+        if plans:
+            self._release(plans, t)
 
     def _feedback(self, flow: _Flow, rnd: _Round, t: float, profile: LinkProfile) -> None:
         """What the ACKs of ``rnd`` tell the sender: RTT, what arrived, what was lost."""
         n, lost = rnd.n, rnd.lost
         delivered = n - len(lost)
         flow.clock = delivered  # the ACKs that clock the next round
+        flow.ss_grown = 0.0  # of which, ACKs that grew the window in slow start
         sample = t - rnd.release
         if rnd.new and delivered:  # Karn: a round of retransmissions only gives no sample
             self._rtt_sample(flow, sample, max(1, delivered // DELAYED_ACK_SEGMENTS), profile)
@@ -672,9 +764,11 @@ class TcpTransport:
             flow.undetected = sorted(flow.undetected + fresh) if flow.undetected else fresh
         elif flow.undetected:
             flow.dupacks += delivered
-        # The cumulative ACK advanced: the timer's back-off ends (RFC 6298 5.7).
+        # The cumulative ACK advanced: the timer's back-off ends (with timestamps, the
+        # ACK of a retransmission is an RTT sample too, RFC 7323 and Linux).
         if delivered and (rnd.segments[0] or (first_lost > 0 and not had_holes)):
-            flow.backoff = 1.0
+            if not STACK.backoff_until_sample or (rnd.new and first_lost > 0):
+                flow.backoff = 1.0
             flow.stall_since = None
         if flow.stuck:
             if flow.t_rto is None:
@@ -682,6 +776,10 @@ class TcpTransport:
         elif not flow.undetected and not flow.lost:
             flow.t_rto = None
         acked = 0 if had_holes else first_lost  # cumulatively acknowledged, before any hole
+        if STACK.first_ack_alone and flow.rounds == 1 and not lost and n % 2 == 0 and acked \
+                and sample < DELAYED_ACK_TIMEOUT_S:
+            acked -= 1  # the first window's last segment is ACKed with the next window
+            flow.clock -= 1
         if flow.phase == _RECOVERY:
             flow.prr_delivered += delivered
             flow.prr_last = delivered
@@ -725,10 +823,11 @@ class TcpTransport:
     def _slow_start(self, flow: _Flow, acked: int, rnd: _Round, t: float, sample: float) -> int:
         """cwnd grows by what was acked (ABC), up to ssthresh or HyStart's exit;
         returns what is left over for congestion avoidance."""
-        if flow.cc == "cubic" and HYSTART and not flow.found and flow.phase == _OPEN:
+        if flow.cc == "cubic" and STACK.hystart and not flow.found and flow.phase == _OPEN:
             self._hystart(flow, acked, rnd, sample)
         grow = min(acked, max(0.0, flow.ssthresh - flow.cwnd))
         flow.cwnd += grow
+        flow.ss_grown += grow
         return int(acked - grow)
 
     def _hystart(self, flow: _Flow, acked: int, rnd: _Round, sample: float) -> None:
@@ -741,13 +840,16 @@ class TcpTransport:
         if not math.isfinite(delay_min) or start >= acked:
             return
         exit_at = math.inf  # segments acked in this round when HyStart fires
-        if 0 < rnd.rate < math.inf and DELAYED_ACK_SEGMENTS * flow.segment_wire / rnd.rate <= HYSTART_ACK_DELTA_S:
-            train = (delay_min / 2) * rnd.rate / flow.segment_wire  # segments acked in half the min RTT
+        # Strictly: a real link adds its framing (Ethernet, PPP) to the IP bytes counted here,
+        # so ACKs of two full segments at exactly 12 Mbit/s come more than 2 ms apart.
+        if 0 < rnd.rate < math.inf and DELAYED_ACK_SEGMENTS * flow.segment_wire / rnd.rate < HYSTART_ACK_DELTA_S:
+            train = STACK.hystart_train * delay_min * rnd.rate / flow.segment_wire  # segments acked by then
             if train < acked:
                 exit_at = max(start, train)
         samples = DELAYED_ACK_SEGMENTS * HYSTART_MIN_SAMPLES
         if acked >= samples:
-            threshold = delay_min + min(max(delay_min / 8, HYSTART_DELAY_MIN_S), HYSTART_DELAY_MAX_S)
+            share, low, high = STACK.hystart_delay
+            threshold = delay_min + min(max(delay_min / share, low), high)
             if sample > threshold:
                 exit_at = min(exit_at, max(start, samples))
         if exit_at < math.inf:
@@ -762,7 +864,6 @@ class TcpTransport:
             return
         if flow.epoch is None:
             flow.epoch = t
-            flow.ack_cnt = 0.0
             flow.w_est = cwnd
             if flow.w_max <= cwnd:
                 flow.k, flow.origin = 0.0, cwnd
@@ -775,10 +876,8 @@ class TcpTransport:
         if flow.w_max == 0 and cnt > CUBIC_CNT_CLAMP:
             cnt = CUBIC_CNT_CLAMP
         # Reno-friendly region (RFC 9438 4.3): W_est grows alpha per window acked.
-        flow.ack_cnt += acked
-        flow.w_est += CUBIC_RENO_ALPHA * flow.ack_cnt / cwnd
-        flow.ack_cnt = 0.0
-        if flow.w_est > cwnd:
+        flow.w_est += CUBIC_RENO_ALPHA * acked / cwnd
+        if STACK.reno_friendly and flow.w_est > cwnd:
             cnt = min(cnt, cwnd / (flow.w_est - cwnd))
         cnt = max(cnt, 2.0)  # at most 1.5x per round trip
         flow.cwnd = cwnd + acked / cnt
@@ -803,6 +902,9 @@ class TcpTransport:
         sent two more): those go out first, then the retransmissions."""
         outstanding = rnd.n - acked
         flow.pre_sends = max(0, int(flow.cwnd) - outstanding) + LIMITED_TRANSMIT
+        # The ACKs of the round come one after another: the third duplicate, which
+        # starts the recovery, comes after those up to the hole and three more.
+        flow.detect_delay = (acked + DUPTHRESH) * flow.segment_wire / rnd.rate if 0 < rnd.rate < math.inf else 0.0
         flow.pre_clock = acked
         flow.phase = _RECOVERY
         self._reduce(flow)
@@ -816,9 +918,6 @@ class TcpTransport:
         flow.recover_fs = max(1, outstanding + flow.pre_sends)
         flow.prr_delivered = flow.prr_last = after
         flow.prr_out = 0
-        # PRR brings the window down to ssthresh over the episode; a timeout during it
-        # reduces from there.
-        flow.cwnd = flow.ssthresh
 
     def _on_rto(self, flow: _Flow, t: float) -> None:
         """The retransmission timer expired: everything unacknowledged is taken as
@@ -830,7 +929,7 @@ class TcpTransport:
             self._connection_timeout(flow, t)
             return
         rnd, flow.round = flow.round, None
-        flow.t_round = None
+        flow.t_round, flow.waking = None, False
         if rnd is not None:  # what that round lost is lost; what it delivered is SACKed
             flow.lost = flow.lost + rnd.lost
         if flow.phase != _LOSS:
@@ -866,19 +965,24 @@ class TcpTransport:
         self._hold_window(flow, self.profile(flow.link, flow.direction), 0.0)
         flow.msgs = []
         flow.q.clear()
-        flow.q_bytes = flow.head_left = 0.0
         flow.group = None
         flow.next_seg = flow.end_seg
-        flow.t_round = flow.t_service = flow.t_rto = None
-        flow.connected = False
+        flow.t_round = flow.t_rto = None
+        flow.waking = flow.connected = False
         flow.reset_connection()
         self._schedule(flow)
         return failures
 
     def _send_round(self, flow: _Flow, t: float, profile: LinkProfile, in_flight: int = 0) -> None:
-        """Release the next round: retransmissions first (after what the window slid by
-        before a loss was detected), then new data, as the window (or PRR, in recovery)
-        allows; draw its losses; queue it at the bottleneck."""
+        """Release the next round of one flow (see _plan_round and _release)."""
+        plan = self._plan_round(flow, t, profile, in_flight)
+        if plan is not None:
+            self._release([plan], t)
+
+    def _plan_round(self, flow: _Flow, t: float, profile: LinkProfile, in_flight: int = 0) -> _Plan | None:
+        """What the next round sends: retransmissions first (after what the window slid
+        by before a loss was detected), then new data, as the window (or PRR, in
+        recovery) allows. None when it sends nothing."""
         flow.segment_wire = profile.mss_bytes + profile.header_bytes
         available = flow.end_seg - flow.next_seg
         before = 0  # new segments sent ahead of the retransmissions
@@ -906,41 +1010,149 @@ class TcpTransport:
         n = before + len(rtx) + new
         if n == 0:
             self._stall(flow, t)
-            return
+            return None
         if rtx:
             flow.lost = flow.lost[len(rtx):]
         if flow.phase == _RECOVERY:
             flow.prr_out += len(rtx) + new
-        cwnd_limited = new < available or n >= int(flow.cwnd)
-        first_new = flow.next_seg
+            # PRR's window is what is in flight once it has sent (a timeout in recovery
+            # reduces from there).
+            flow.cwnd = float(n)
+        plan = _Plan(flow, profile, (rtx, flow.next_seg, before, new), n)
+        plan.rtx_at = t + flow.detect_delay
+        flow.detect_delay = 0.0
+        plan.cwnd_limited = new < available or n >= int(flow.cwnd)
+        plan.slow_start = flow.phase != _RECOVERY and flow.cwnd < flow.ssthresh
+        # What leaves faster than the ACK clock drains it piles up at the bottleneck: in
+        # slow start the window's growth (released at twice the drain rate); with no ACK
+        # clock (a first round, after idle or a timeout) the whole burst, as fast as the
+        # link before the bottleneck brings it.
+        plan.fast = before if before else n
+        plan.clocked = clock > 0
+        if not plan.clocked:
+            plan.pile = plan.fast
+        elif flow.phase == _RECOVERY and not before:
+            plan.pile = 0  # PRR sends no faster than what is delivered
+        else:
+            # Beyond what the ACKs clock out; in slow start, two segments go out for each
+            # ACKed one until the window (or the data) is used, so half of that part piles
+            # up even when the data runs out first.
+            plan.pile = max(plan.fast - clock, (min(plan.fast, 2 * int(flow.ss_grown)) + 1) // 2)
         flow.next_seg += before + new
         flow.lsnd = t
-        # The bottleneck's buffer drops what it cannot hold of what came faster than
-        # the ACK clock; what gets through may be lost on the link.
-        slow_start = flow.phase != _RECOVERY and flow.cwnd < flow.ssthresh
-        fast = before if before else n  # the part of the round released ahead of the clock
-        drops = self._overflow(flow, t, profile, max(0, fast - clock), fast)
-        dropped = _overflow_positions(fast, drops, slow_start or before > 0)
-        lost_positions = self._random_losses(flow, profile, n)
-        forced = self.forced_losses.get((flow.link, flow.direction))
+        return plan
+
+    def _release(self, plans: list[_Plan], t: float) -> None:
+        """Release rounds planned for the same instant: the bottleneck's buffer drops what
+        it cannot hold of what piles up (rounds at a shared link share its buffer's
+        overflow in proportion to what they pile on it); what gets through may be lost
+        on the link; each round joins its flow's queue at the bottleneck."""
+        shared = self.shared[plans[0].flow.direction]
+        at_shared = []
+        if shared is not None:
+            # The fair share once this instant's rounds joined the flows already there.
+            members = shared.members + sum(1 for p in plans if not p.flow.rtt_base)
+            at_shared = [p for p in plans if shared.bandwidth / members < p.profile.bandwidth]
+        if at_shared:
+            self._shared_overflow(at_shared)
+        for plan in plans:
+            if plan not in at_shared:
+                plan.drops = self._private_overflow(plan, t)
+        for plan in plans:
+            self._launch(plan, t)
+
+    def _shared_overflow(self, plans: list[_Plan]) -> None:
+        """The shared link's queue: what the flows' windows hold beyond its pipe (each
+        flow's fair share times its round trip), plus what this instant's rounds pile
+        on; the overflow is shared among them in proportion to what each piles."""
+        shared = self.shared[plans[0].flow.direction]
+        joining = [p for p in plans if not p.flow.rtt_base]
+        members = shared.members + len(joining)
+        rtts = shared.sum_rtt + sum(self._base_rtt(p.flow, p.profile) for p in joining)
+        queue = max(0.0, shared.sum_window - shared.bandwidth * rtts / members)
+        fair = shared.bandwidth / members
+        piles = []
+        for plan in plans:
+            pile = plan.pile * plan.flow.segment_wire
+            if not plan.clocked and math.isfinite(plan.profile.bandwidth):
+                pile *= max(0.0, 1.0 - fair / plan.profile.bandwidth)  # drained while it arrives
+            piles.append(pile)
+        total = sum(piles)
+        # Only what piles on now can be dropped now (a clocked window replaces what leaves).
+        overflow = min(queue + total - shared.buffer, total)
+        if overflow <= 0:
+            return
+        drops = math.ceil(overflow / plans[0].flow.segment_wire)
+        if len(plans) == 1:
+            plans[0].drops = min(plans[0].fast, drops)
+            return
+        # Drop-tail drops whichever packet finds the queue full: each drop falls on a
+        # flow with a chance in proportion to what it piles on (a seeded draw of the
+        # link's own stream), so equal flows lose unequally, as they do.
+        counter = shared.draws
+        shared.draws += 1
+        rng = random.Random(uniform(self.seed, "tcp/shared-drops", _SHARED, shared.direction, counter))
+        counts = [0] * len(plans)
+        room = [p.fast for p in plans]
+        weights = list(piles)
+        while drops > 0 and any(weights):
+            for i in rng.choices(range(len(plans)), weights=weights, k=drops):
+                if counts[i] < room[i]:
+                    counts[i] += 1
+                    drops -= 1
+            weights = [w if c < r else 0.0 for w, c, r in zip(weights, counts, room)]
+        for plan, count in zip(plans, counts):
+            plan.drops = count
+
+    def _private_overflow(self, plan: _Plan, t: float) -> int:
+        """The flow's own link is its bottleneck: its queue now plus what piles on."""
+        flow, profile = plan.flow, plan.profile
+        if math.isinf(profile.bandwidth):
+            return 0
+        buffer = default_buffer(profile, self.profile(flow.link, 1 - flow.direction))
+        # The flow's queue at its bottleneck: what waits to be served, less what of the
+        # last round is released only as ACKs come (it replaces what leaves), and never
+        # more than the buffer holds.
+        clocked = max(0.0, flow.clocked_bytes - profile.bandwidth * (t - flow.released_at))
+        queue = min(buffer, max(0.0, self._backlog(flow, t) - clocked))
+        peak = queue + plan.pile * flow.segment_wire
+        if peak <= buffer:
+            return 0
+        return min(plan.fast, math.ceil((peak - buffer) / flow.segment_wire))
+
+    def _launch(self, plan: _Plan, t: float) -> None:
+        """Draw the round's losses and queue it at the bottleneck."""
+        flow, profile, n = plan.flow, plan.profile, plan.n
+        rtx, first_new, before, new = order = plan.order
+        rng = None
+        if plan.drops and (not plan.clocked or 2 * plan.drops > plan.fast):
+            rng = random.Random(self._draw(flow, "tcp/drop-positions"))
+        doubling = plan.slow_start or before > 0 or flow.ss_grown > 0  # released two for one
+        dropped = _overflow_positions(plan.fast, plan.drops, plan.clocked and doubling, rng)
+        lost_positions = self._random_losses(flow, profile, n) if profile.loss or profile.ge_p else []
+        forced = self.forced_losses.get((flow.link, flow.direction)) if self.forced_losses else None
         if forced:
             # New segments chosen to be lost once (to compare recovery with a reference).
-            chosen = [p for p in range(n) if _segment_at((rtx, first_new, before, new), p) in forced
-                      and (p < before or p >= before + len(rtx))]
+            chosen = [p for p in range(n) if (p < before or p >= before + len(rtx))
+                      and _segment_at(order, p) in forced]
             for p in chosen:
-                forced.discard(_segment_at((rtx, first_new, before, new), p))
+                forced.discard(_segment_at(order, p))
             lost_positions = sorted(set(lost_positions).union(chosen))
         if dropped:
             lost_positions = sorted(set(lost_positions).union(dropped))
-        self._hold_window(flow, profile, (n - len(dropped)) * flow.segment_wire)
-        flow.tiebreak = self._draw(flow, "tcp/order")
-        order = (rtx, first_new, before, new)
-        lost = [_segment_at(order, p) for p in lost_positions]
-        rate = self._rate(flow, profile)
-        rnd = _Round(t, n, before + new, order, lost, lost_positions, slow_start, rate, cwnd_limited)
+        if self.shared[flow.direction] is not None:
+            self._hold_window(flow, profile, (n - len(dropped)) * flow.segment_wire)
+            # Its next events' place among others' at the same instant (they interact).
+            flow.tiebreak = self._draw(flow, "tcp/order")
+        lost = [_segment_at(order, p) for p in lost_positions] if lost_positions else []
+        rnd = _Round(t, n, before + new, order, lost, lost_positions, plan.slow_start, self._rate(flow, profile),
+                     plan.cwnd_limited)
         flow.round = rnd
         flow.last_sent = n
-        self._queue_round(flow, rnd, t, profile, set(dropped))
+        flow.rounds += 1
+        flow.clocked_bytes = max(0, n - len(dropped) - max(0, plan.pile - len(dropped))) * flow.segment_wire
+        flow.released_at = t
+        self._queue_round(flow, rnd, t, profile, set(dropped) if dropped else _NONE, plan.rtx_at)
 
     def _stall(self, flow: _Flow, t: float) -> None:
         """Nothing the window allows to send: wait for the timer if a hole is left
@@ -963,32 +1175,6 @@ class TcpTransport:
         if shared is None:
             return profile.bandwidth
         return min(profile.bandwidth, shared.fair)
-
-    def _overflow(self, flow: _Flow, t: float, profile: LinkProfile, growth: int, n: int) -> int:
-        """Segments the bottleneck's drop-tail buffer cannot hold: its queue now plus
-        the ``growth`` segments released faster than the ACK clock drains them (in
-        slow start the window's growth arrives at twice the bottleneck's rate)."""
-        shared = self.shared[flow.direction]
-        segment = flow.segment_wire
-        if shared is not None:
-            members = shared.members + (0 if flow.rtt_base else 1)
-            if shared.bandwidth / members < profile.bandwidth:
-                # The shared link is the bottleneck: what the flows' windows hold beyond
-                # its pipe (each flow's fair share times its round trip) stands in its queue.
-                rtt = flow.rtt_base or self._base_rtt(flow, profile)
-                pipe = shared.bandwidth * (shared.sum_rtt + (0.0 if flow.rtt_base else rtt)) / members
-                queue = max(0.0, shared.sum_window - pipe)
-                peak = queue + growth * segment
-                if peak <= shared.buffer:
-                    return 0
-                return min(n, math.ceil((peak - shared.buffer) / segment))
-        if math.isinf(profile.bandwidth):
-            return 0
-        peak = self._backlog(flow, t) + growth * segment
-        buffer = default_buffer(profile, self.profile(flow.link, 1 - flow.direction))
-        if peak <= buffer:
-            return 0
-        return min(n, math.ceil((peak - buffer) / segment))
 
     def _hold_window(self, flow: _Flow, profile: LinkProfile, window: float) -> None:
         """Count the flow's window (bytes in flight) at its shared link, or stop counting
@@ -1013,14 +1199,13 @@ class TcpTransport:
             flow.rtt_base = flow.window_bytes = 0.0
 
     def _backlog(self, flow: _Flow, t: float) -> float:
-        if not flow.q:
-            return 0.0
+        """Bytes of the flow still queued at its bottleneck at t."""
         if flow.group is not None:
             shared = self.shared[flow.direction]
-            return max(0.0, flow.end_target - shared.groups[flow.group].v)
-        if math.isinf(flow.rate):
+            return max(0.0, flow.end_target - shared.groups[flow.group].v) if flow.q else 0.0
+        if math.isinf(flow.rate) or flow.q_end <= t:
             return 0.0
-        return max(0.0, flow.head_left - (t - flow.svc_t) * flow.rate) + flow.q_bytes
+        return (flow.q_end - t) * flow.rate
 
     def _random_losses(self, flow: _Flow, profile: LinkProfile, n: int) -> list[int]:
         """Positions (of the round's n segments) lost on the link: Bernoulli or
@@ -1077,7 +1262,8 @@ class TcpTransport:
         flow.draws += 1
         return uniform(self.seed, purpose, flow.link, flow.direction, counter)
 
-    def _queue_round(self, flow: _Flow, rnd: _Round, t: float, profile: LinkProfile, dropped: set[int]) -> None:
+    def _queue_round(self, flow: _Flow, rnd: _Round, t: float, profile: LinkProfile, dropped: set[int],
+                     rtx_at: float) -> None:
         """The round's segments join the flow's queue at its bottleneck as chunks whose
         ends are the moments that matter: a message's last byte, the end of its
         retransmissions, and the pair of segments whose ACK clocks the next round."""
@@ -1096,7 +1282,7 @@ class TcpTransport:
         chunks: list = []
         msgs = flow.msgs
 
-        def new_data(seg: int, end: int, pos: int) -> int:
+        def new_data(seg: int, end: int, pos: int, release: float) -> int:
             """Chunks for new segments [seg, end) at round position pos, one per message."""
             mi = 0
             while seg < end:
@@ -1119,12 +1305,12 @@ class TcpTransport:
                     if n_drop and short and (pos + count - 1) in dropped:
                         served += short
                 delivered = count - _count_between(positions, pos, pos + count) if positions else count
-                chunks.append([served, m, delivered, forward, rnd if pos + count - 1 == mark_at else None])
+                chunks.append([served, m, delivered, forward, rnd if pos + count - 1 == mark_at else None, release])
                 pos += count
                 seg = stop
             return pos
 
-        pos = new_data(first_new, first_new + before, 0)
+        pos = new_data(first_new, first_new + before, 0, t)
         # Retransmissions, one chunk per message (the ACK mark may split one).
         lost = set(positions)
         run: list = []
@@ -1137,7 +1323,7 @@ class TcpTransport:
                 chunks.append(run)
                 run = []
             if not run:
-                run = [0.0, m, 0, forward, None]
+                run = [0.0, m, 0, forward, None, rtx_at]
             wire = m.segment_wire(seg)
             m.wire += wire
             m.retx += wire
@@ -1152,26 +1338,29 @@ class TcpTransport:
             pos += 1
         if run:
             chunks.append(run)
-        new_data(first_new + before, first_new + before + new, pos)
+        new_data(first_new + before, first_new + before + new, pos, rtx_at)
         self._enqueue(flow, t, chunks, profile)
 
     # --- service at the bottleneck --------------------------------------------------------
 
     def _enqueue(self, flow: _Flow, t: float, chunks: list, profile: LinkProfile) -> None:
-        total = sum(c[0] for c in chunks)
         shared = self.shared[flow.direction]
+        if shared is None:
+            # The flow's own link serves it alone at a known rate: every chunk's
+            # departure is known now (a rate that changes applies from the next round).
+            rate = profile.bandwidth
+            end = max(t, flow.q_end)
+            for chunk in chunks:
+                end = max(end, chunk[5])  # retransmissions go when the loss is found
+                if rate < math.inf:
+                    end += chunk[0] / rate
+                self._chunk_done(flow, chunk, end)
+            flow.q_end = end
+            flow.rate = rate
+            return
+        total = sum(c[0] for c in chunks)
         was_empty = not flow.q
         flow.q.extend(chunks)
-        if shared is None:
-            if was_empty:
-                flow.rate = profile.bandwidth
-                flow.svc_t = t
-                flow.head_left = flow.q[0][0]
-                flow.q_bytes = total - flow.head_left
-                self._service_next(flow, t)
-            else:
-                flow.q_bytes += total
-            return
         self._touch(shared)
         self._advance_shared(shared, t)
         if was_empty:
@@ -1181,44 +1370,9 @@ class TcpTransport:
             flow.end_target += total
             shared.groups[flow.group].sum_end += total
 
-    def _service_next(self, flow: _Flow, t: float) -> None:
-        """Private link: complete every chunk due by t; schedule the next."""
-        while flow.q:
-            if math.isinf(flow.rate) or flow.head_left <= 0:
-                done = t
-            else:
-                done = flow.svc_t + flow.head_left / flow.rate
-            if done > t:
-                flow.t_service = done
-                self._schedule(flow)
-                return
-            chunk = flow.q.popleft()
-            flow.svc_t = done
-            if flow.q:
-                flow.head_left = flow.q[0][0]
-                flow.q_bytes -= flow.head_left
-            else:
-                flow.head_left = 0.0
-                flow.q_bytes = 0.0
-            self._chunk_done(flow, chunk, done)
-        flow.t_service = None
-        self._schedule(flow)
-
-    def _on_private_service(self, flow: _Flow, t: float) -> None:
-        self._service_next(flow, t)
-
-    def _retime_private(self, flow: _Flow, t: float, rate: float) -> None:
-        if math.isfinite(flow.rate):
-            flow.head_left = max(0.0, flow.head_left - (t - flow.svc_t) * flow.rate)
-        else:
-            flow.head_left = 0.0
-        flow.svc_t = t
-        flow.rate = rate
-        self._service_next(flow, t)
-
     def _chunk_done(self, flow: _Flow, chunk: list, t: float) -> None:
         """A chunk's last byte left the bottleneck at t."""
-        _, msg, delivered, forward, mark = chunk
+        msg, delivered, forward, mark = chunk[1], chunk[2], chunk[3], chunk[4]
         if delivered:
             when = max(t + forward, flow.last_delivery)
             flow.last_delivery = when
@@ -1232,7 +1386,7 @@ class TcpTransport:
             flow.t_round = t + forward + flow.back
             self._schedule(flow)
         if not flow.q:
-            flow.ack_end = t + forward + flow.back
+            flow.ack_end = max(flow.ack_end, t + forward + flow.back)
 
     def _complete(self, flow: _Flow) -> None:
         """Messages at the head of the stream whose every segment arrived are done."""
@@ -1361,18 +1515,21 @@ def _segment_at(order: tuple, pos: int) -> int:
     return first_new + pos - len(rtx)
 
 
-def _overflow_positions(n: int, drops: int, slow_start: bool) -> list[int]:
-    """Where in the round the buffer's drops fall: in slow start the queue fills part
-    way and then every other segment finds it full; in congestion avoidance the one
-    extra segment of the window's growth finds it full, part way through."""
+def _overflow_positions(n: int, drops: int, alternate: bool, rng: random.Random | None) -> list[int]:
+    """Where in the round's first n segments the buffer's drops fall. Released at twice
+    the drain rate (slow start), the queue fills part way and then every other segment
+    finds it full; a window's growth of a segment or two finds it full part way through;
+    a burst (no ACK clock, or many flows at once) loses a random share after its first."""
     if drops <= 0:
         return []
-    if slow_start and 2 * drops <= n:
-        return list(range(n - 2 * drops + 1, n, 2))
     if drops >= n:
         return list(range(n))
-    step = n / (drops + 1)
-    return sorted({min(n - 1, int(step * (i + 1))) for i in range(drops)})
+    if alternate and 2 * drops <= n:
+        return list(range(n - 2 * drops + 1, n, 2))
+    if rng is None:
+        step = n / (drops + 1)
+        return sorted({min(n - 1, int(step * (i + 1))) for i in range(drops)})
+    return sorted(rng.sample(range(1, n), drops) if drops < n else range(n))
 
 
 def _count_between(sorted_values: list[int], low: int, high: int) -> int:

@@ -1,13 +1,10 @@
 // The reference TCP for bench/transport_fidelity.py: ns-3 3.37 (Debian's libns3-dev), not
 // fedemu's model. N bulk transfers of S bytes from N senders to one receiver:
 //
-//   sender i --(LAN)--> router i --(access: rate, one-way delay, drop-tail buffer)-->
-//       core --(shared: rate, one-way delay, drop-tail buffer)--> receiver
+//   sender i --(access: rate, one-way delay, drop-tail buffer)--> core
+//       --(shared: rate, one-way delay, drop-tail buffer)--> receiver
 //
-// or, without --bottleneckRate, router i --(access)--> receiver i (N independent links).
-// Every emulated link leaves a router, so a full buffer drops packets as a network does;
-// a sender's own device queue would throttle the socket instead, as Linux's TCP small
-// queues do. The LAN hop is 100 Gbit/s with no delay and a queue that never fills.
+// or, without --bottleneckRate, sender i --(access)--> receiver i (N independent links).
 // Per-packet loss: a RateErrorModel (packet unit) on the device that receives the access
 // link's data, so data segments are lost and ACKs are not. Queues: the links' device
 // queues (DropTailQueue of the given bytes), no queue disc, so each buffer is exactly
@@ -220,21 +217,14 @@ main(int argc, char* argv[])
 
     NodeContainer senders;
     senders.Create(numFlows);
-    NodeContainer routers;
-    routers.Create(numFlows);
     Ptr<Node> core = CreateObject<Node>();
     NodeContainer receivers;
     receivers.Create(bottleneckRate.empty() ? numFlows : 1);
     InternetStackHelper stack;
     stack.Install(senders);
-    stack.Install(routers);
     stack.Install(core);
     stack.Install(receivers);
 
-    PointToPointHelper lan;
-    lan.SetDeviceAttribute("DataRate", StringValue("100Gbps"));
-    lan.SetChannelAttribute("Delay", TimeValue(Seconds(0)));
-    lan.SetQueue("ns3::DropTailQueue", "MaxSize", StringValue("1000000p"));
     PointToPointHelper access;
     access.SetDeviceAttribute("DataRate", StringValue(accessRate));
     access.SetChannelAttribute("Delay", TimeValue(MicroSeconds(accessDelayMs * 1000)));
@@ -252,10 +242,8 @@ main(int argc, char* argv[])
     };
     for (uint32_t i = 0; i < numFlows; ++i)
     {
-        subnet(10, i);
-        address.Assign(lan.Install(senders.Get(i), routers.Get(i)));
         Ptr<Node> far = bottleneckRate.empty() ? receivers.Get(i) : core;
-        NetDeviceContainer devices = access.Install(routers.Get(i), far);
+        NetDeviceContainer devices = access.Install(senders.Get(i), far);
         if (loss > 0)
         {
             Ptr<RateErrorModel> em = CreateObject<RateErrorModel>();
@@ -275,7 +263,7 @@ main(int argc, char* argv[])
             }
             devices.Get(1)->SetAttribute("ReceiveErrorModel", PointerValue(em));
         }
-        subnet(11, i);
+        subnet(10, i);
         Ipv4InterfaceContainer ifs = address.Assign(devices);
         if (bottleneckRate.empty())
         {
