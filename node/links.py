@@ -457,6 +457,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Lighthouse's mobile throttling ("Slow 4G", formerly "Fast 3G"; WebPageTest's
     # "Mobile 3G - Fast"): 150 ms RTT, 1.6 Mbps down, 750 kbps up.
     "3g": {"latency_ms": 75, "up": {"bandwidth": "750kbit"}, "down": {"bandwidth": "1.6Mbit"}},
+    # Ookla Speedtest Intelligence, the world's median 5G connection in 2023 (reported
+    # February 2024): 207 Mbit/s down, 20 Mbit/s up, 44 ms multi-server latency (RTT).
+    "5g": {"latency_ms": 22, "up": {"bandwidth": "20Mbit"}, "down": {"bandwidth": "200Mbit"}},
+    # A long-haul WAN between sites (cross-silo FL): 78 ms RTT, as WonderProxy's pings
+    # New York-Fremont (77.5 ms) and New York-Paris (78.3 ms) ("Miles per Millisecond",
+    # 2011), over a nominal gigabit site uplink.
+    "wan": {"latency_ms": 39, "bandwidth": "1Gbit"},
 }
 
 NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",

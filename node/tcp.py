@@ -601,35 +601,30 @@ class TcpTransport:
         back to the state when the speculation began; the events before t run again."""
         if self._ahead < t:
             return
+        links = set()
         for obj, state in self._saved.values():
             obj.restore(state)
+            if isinstance(obj, _Flow):
+                # Its events as they were (what the speculation popped or queued is gone
+                # or stale: entries whose time no longer matches are skipped).
+                obj.queued_round = obj.queued_rto = None
+                self._schedule(obj)
+            else:
+                links.add(obj.direction)
         self._saved.clear()
         self._ahead = -math.inf
+        for direction in links:  # a restored shared link's group heaps come from its flows
+            shared = self.shared[direction]
+            for flow in self.flows.values():
+                if flow.direction == direction and flow.group is not None and flow.q:
+                    self.version += 1
+                    flow.gver = self.version
+                    heapq.heappush(shared.groups[flow.group].heap, (flow.head_target, flow.link, flow.gver))
+            self._schedule_shared(shared)
         # Completions found while speculating are found again; those already handed
         # out (up to the last arrivals() call) are not handed out twice.
         self.done = [entry for entry in self.done if entry[5] <= self._base]
         heapq.heapify(self.done)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        """Derived structures from the flows' and links' own state: the event heap and
-        the shared links' group heaps."""
-        self.heap = []
-        for shared in self.shared.values():
-            if shared is not None:
-                for g in shared.groups.values():
-                    g.heap = []
-        for flow in self.flows.values():
-            if flow.group is not None and flow.q:
-                shared = self.shared[flow.direction]
-                self.version += 1
-                flow.gver = self.version
-                heapq.heappush(shared.groups[flow.group].heap, (flow.head_target, flow.link, flow.gver))
-            flow.queued_round = flow.queued_rto = None
-            self._schedule(flow)
-        for shared in self.shared.values():
-            if shared is not None:
-                self._schedule_shared(shared)
 
     def _push_done(self, when: float, flow: _Flow, order: int, item) -> None:
         if when <= self._returned:

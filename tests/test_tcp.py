@@ -199,6 +199,35 @@ def test_same_inputs_same_outputs_whenever_the_model_is_asked():
     assert len(plain) == 12
 
 
+def test_asking_ahead_never_changes_a_result():
+    """Speculation undone by earlier inputs, the scheduler's until, and no questions at
+    all give the same arrivals, failures included, with shared links both ways."""
+    profile = tcp(**LTE, loss=0.02, jitter_ms=3)
+    inputs = [(0.0, k, DOWN, 300_000, ("down", k)) for k in range(8)]
+    inputs += [(0.4 + 0.173 * k, k, UP, 200_000 + 5_000 * k, ("up", k)) for k in range(8)]
+    inputs = sorted(inputs + [(0.9, 3, None, 0, "fail")], key=lambda i: i[0])
+
+    def run(mode: str) -> list:
+        model = TcpTransport(5, lambda link, direction: profile, {UP: 6e6 / 8, DOWN: 8e6 / 8})
+        out = []
+        for i, (t, link, direction, size, token) in enumerate(inputs):
+            if mode == "ask":
+                model.next_arrival()
+            elif mode == "until":
+                while (due := model.next_arrival(until=t)) <= t:
+                    out.extend(model.arrivals(due))
+            out.extend(model.arrivals(t))
+            if direction is None:
+                out.extend(model.fail(t, link))
+            else:
+                model.send(t, link, direction, size, token)
+        return [(type(a).__name__, a.token, a.arrival if isinstance(a, Arrival) else a.time) for a in out + drain(model)]
+
+    quiet = run("quiet")
+    assert run("ask") == quiet and run("until") == quiet
+    assert sum(1 for kind, *_ in quiet if kind == "Failure") >= 1
+
+
 def test_until_keeps_what_it_simulated():
     model = transport(LTE, server_down=10e6 / 8)
     for k in range(3):
