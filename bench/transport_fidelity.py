@@ -29,7 +29,10 @@ a backed-off RTO held until a fresh RTT sample): where that column agrees and th
 does not, the difference is those choices, not the model.
 
     python bench/transport_fidelity.py [--quick] [--seeds 11] [--blocks clean loss shared issue]
-        [--json bench/results/transport-fidelity.json]
+        [--json bench/results/transport-fidelity.json] [--no-cache]
+
+ns-3's answers are kept beside its binary, by command line: a rerun after a change to the
+model reruns only the model (--no-cache runs ns-3 again).
 """
 from __future__ import annotations
 
@@ -66,6 +69,27 @@ def reference_binary() -> Path:
     return binary
 
 
+_CACHE: dict | None = None
+
+
+def ns3_cache() -> dict:
+    """ns-3's answers by command line, kept beside its binary (a simulation is
+    deterministic: a rerun after a change to the model reruns only the model)."""
+    global _CACHE
+    if _CACHE is None:
+        path = reference_binary().with_suffix(".results.json")
+        _CACHE = json.loads(path.read_text()) if path.exists() and not NO_CACHE else {}
+    return _CACHE
+
+
+def save_ns3_cache() -> None:
+    if _CACHE is not None:
+        reference_binary().with_suffix(".results.json").write_text(json.dumps(_CACHE))
+
+
+NO_CACHE = False
+
+
 def ns3(point: dict, *, run: int = 1, loss: float = 0.0, drop: list[int] | None = None) -> list[float]:
     """Each flow's transfer time in ns-3, in flow order."""
     args = [str(reference_binary()), f"--bytes={point['size']}", f"--flows={point.get('flows', 1)}",
@@ -76,6 +100,10 @@ def ns3(point: dict, *, run: int = 1, loss: float = 0.0, drop: list[int] | None 
         args += [f"--bottleneckRate={int(point['shared'] * 8)}bps", f"--bottleneckBuffer={int(point['shared_buffer'])}"]
     if drop:
         args.append("--dropSegments=" + ",".join(map(str, drop)))
+    key = " ".join(args[1:])
+    cache = ns3_cache()
+    if key in cache:
+        return cache[key]
     out = subprocess.run(args, capture_output=True, text=True, check=False)
     times = []
     for line in out.stdout.splitlines():
@@ -84,6 +112,9 @@ def ns3(point: dict, *, run: int = 1, loss: float = 0.0, drop: list[int] | None 
             times.append(float(last) - float(first) if float(last) >= 0 else math.inf)
     if len(times) != point.get("flows", 1):
         raise RuntimeError(f"ns-3 failed for {point}: {out.stderr[-2000:]}")
+    cache[key] = times
+    if len(cache) % 20 == 0:
+        save_ns3_cache()
     return times
 
 
@@ -372,7 +403,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=11, help="seeds a loss point runs")
     parser.add_argument("--blocks", nargs="+", default=["clean", "loss", "shared", "issue"])
     parser.add_argument("--json", default=str(HERE / "results" / "transport-fidelity.json"))
+    parser.add_argument("--no-cache", action="store_true", help="run ns-3 again for every point")
     args = parser.parse_args()
+    global NO_CACHE
+    NO_CACHE = args.no_cache
     reference_binary()
     started = time.monotonic()
     rows = []
@@ -384,6 +418,7 @@ def main() -> None:
         rows += run_shared(shared_points(args.quick))
     if "issue" in args.blocks:
         rows += run_issue(3 if args.quick else args.seeds)
+    save_ns3_cache()
     text = tables(rows)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

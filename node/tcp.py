@@ -85,12 +85,15 @@ class Stack:
     # timer fires first (ns-3); Linux's receiver quick-ACKs a connection's first
     # segments (and after idle).
     first_ack_alone: bool
+    # Slow start adds all an ACK acknowledged even past ssthresh (ns-3's CUBIC); Linux
+    # stops at ssthresh and counts the rest in congestion avoidance.
+    slow_start_overshoots: bool
 
 
 LINUX = Stack(reno_friendly=True, hystart=True, hystart_train=0.5, hystart_delay=(8, 0.004, 0.016),
-              backoff_until_sample=False, first_ack_alone=False)
+              backoff_until_sample=False, first_ack_alone=False, slow_start_overshoots=False)
 NS3_337 = Stack(reno_friendly=False, hystart=True, hystart_train=1.0, hystart_delay=(1, 0.004, 1.0),
-                backoff_until_sample=True, first_ack_alone=True)
+                backoff_until_sample=True, first_ack_alone=True, slow_start_overshoots=True)
 STACK = LINUX
 DUPTHRESH = 3  # RFC 5681
 LIMITED_TRANSMIT = 2  # RFC 3042
@@ -741,6 +744,7 @@ class TcpTransport:
             self._rtt_sample(flow, sample, max(1, delivered // DELAYED_ACK_SEGMENTS), profile)
             flow.delay_min = min(flow.delay_min, sample)
         had_holes = bool(flow.undetected or flow.stuck or flow.lost)
+        acked_to = self._first_hole(flow, rnd.segments[0][0] if rnd.segments[0] else math.inf)
         first_lost = rnd.lost_positions[0] if lost else n
         if lost:
             rtx = rnd.segments[0]
@@ -784,16 +788,18 @@ class TcpTransport:
                 flow.undetected, flow.dupacks = [], 0
             if not flow.stuck and not (flow.lost and flow.lost[0] < flow.recover) \
                     and not (flow.undetected and flow.undetected[0] < flow.recover):
-                flow.phase = _OPEN  # RFC 6937: the window ends at ssthresh
+                # RFC 6937: the window ends at ssthresh. Holes past the recovery point
+                # that SACK showed during the episode are resent in it, not counted as
+                # another congestion event (as ns-3's recovery does).
+                flow.phase = _OPEN
                 flow.cwnd = max(flow.ssthresh, 1.0)
-                if flow.lost:  # losses past the recovery point: a new congestion event
-                    flow.undetected = sorted(flow.lost + flow.undetected)
-                    flow.lost = []
-                    flow.dupacks = max(flow.dupacks, DUPTHRESH)
             acked = 0
         elif flow.phase == _LOSS:
-            if delivered:
-                self._slow_start(flow, delivered, rnd, t, sample)
+            # After a timeout the cumulative ACK jumps over what SACK had seen arrive:
+            # the window grows by that advance.
+            advance = self._first_hole(flow, math.inf) - acked_to
+            if advance > 0:
+                self._slow_start(flow, advance, rnd, t, sample)
             if not flow.lost and not flow.stuck:
                 flow.phase = _OPEN
             acked = 0
@@ -802,6 +808,15 @@ class TcpTransport:
                 self._grow(flow, acked, rnd, t, sample)
             if flow.undetected and flow.dupacks >= DUPTHRESH:
                 self._enter_recovery(flow, rnd, acked, delivered - acked if acked else delivered)
+
+    @staticmethod
+    def _first_hole(flow: _Flow, also: float) -> float:
+        """The first segment not yet delivered (what the cumulative ACK stops at)."""
+        first = min(also, flow.next_seg)
+        for holes in (flow.lost, flow.stuck, flow.undetected):
+            if holes and holes[0] < first:
+                first = holes[0]
+        return first
 
     def _grow(self, flow: _Flow, acked: int, rnd: _Round, t: float, sample: float) -> None:
         if not rnd.cwnd_limited:
@@ -820,7 +835,7 @@ class TcpTransport:
         returns what is left over for congestion avoidance."""
         if flow.cc == "cubic" and STACK.hystart and not flow.found and flow.phase == _OPEN:
             self._hystart(flow, acked, rnd, sample)
-        grow = min(acked, max(0.0, flow.ssthresh - flow.cwnd))
+        grow = acked if STACK.slow_start_overshoots else min(acked, max(0.0, flow.ssthresh - flow.cwnd))
         flow.cwnd += grow
         flow.ss_grown += grow
         return int(acked - grow)
