@@ -34,8 +34,8 @@ cheap. Per round (a window of segments released by the previous window's ACKs):
 Interface: :meth:`TcpTransport.send`, :meth:`next_arrival`, :meth:`arrivals`,
 :meth:`fail` and :meth:`update` (a link's profile changed). Calls come with
 non-decreasing times. :meth:`next_arrival` may simulate ahead; an input that then comes
-earlier than what it simulated undoes that part (an undo log), so results depend only
-on the inputs and their times, never on when the model was asked. Every random
+earlier than what it simulated restores what that changed and runs again from there, so
+results depend only on the inputs and their times, never on when the model was asked. Every random
 decision is drawn from a named stream (node/streams.py) of (seed, link, direction, the
 flow's draw counter). Times are emulated seconds, sizes bytes, rates bytes/s.
 
@@ -183,16 +183,16 @@ class _Msg:
 class _Round:
     """What one round sent, kept until its ACKs come back (immutable once built)."""
 
-    __slots__ = ("release", "n", "new", "segments", "lost", "lost_positions", "slow_start", "rate",
-                 "cwnd_limited")
+    __slots__ = ("release", "n", "new", "segments", "lost", "lost_positions", "rate", "cwnd_limited")
 
-    def __init__(self, release, n, new, segments, lost, lost_positions, slow_start, rate, cwnd_limited):
+    def __init__(self, release, n, new, segments, lost, lost_positions, rate, cwnd_limited):
         self.release, self.n, self.new = release, n, new
         # (retransmitted segment ids, first new segment, new sent before the retransmissions,
         # new sent after them)
         self.segments = segments
         self.lost, self.lost_positions = lost, lost_positions  # segment ids; their positions in the round
-        self.slow_start, self.rate, self.cwnd_limited = slow_start, rate, cwnd_limited
+        self.rate = rate  # the bottleneck rate it was released at
+        self.cwnd_limited = cwnd_limited  # it sent what the window allowed (not out of data)
 
 
 class _Plan:
@@ -219,7 +219,8 @@ class _Flow:
         self.draws = 0  # random draws made (the stream counter)
         self.connected = False
         self.reset_connection()
-        # service at the bottleneck: chunks [bytes, msg, delivered, delay, mark]
+        # Service at the bottleneck, in chunks [bytes, message, segments delivered,
+        # delay from the bottleneck to the receiver, the round it clocks or None, release]
         self.q: deque = deque()  # shared link: chunks not yet served
         self.q_end = 0.0  # private link: when what is queued has left
         self.clocked_bytes = 0.0  # of the last round, what goes out as ACKs come, not at once
@@ -234,12 +235,11 @@ class _Flow:
         self.window_bytes = 0.0  # on a shared link: the bytes its last round put in flight
         self.rtt_base = 0.0  # and its base round trip (0: not counted there)
         self.tiebreak = 0.0  # orders its events among others at the same instant
-        # pending events (time or None) and their version, for the heap's lazy deletion
+        # Pending events (time or None): the next round (ACKs back), the timer.
         self.t_round: float | None = None
         self.t_rto: float | None = None
         self.queued_round = self.queued_rto = None  # the times last put on the heap
         self.waking = False  # its t_round starts a round for data that came while idle
-        self.ver = 0
         self.last_delivery = 0.0  # deliveries of a stream never overtake one another
 
     def reset_connection(self) -> None:
@@ -315,8 +315,8 @@ class _Shared:
         self.fair = math.inf
         self.t_next: float | None = None
         self.ver = 0
-        # The windows of the flows with data out (for the queue they stand in):
         self.draws = 0  # random draws made (the stream counter)
+        # The windows of the flows with data out (for the queue they stand in):
         self.members = 0
         self.sum_window = 0.0  # bytes
         self.sum_rtt = 0.0  # their base round trips, s
@@ -1155,8 +1155,7 @@ class TcpTransport:
             # Its next events' place among others' at the same instant (they interact).
             flow.tiebreak = self._draw(flow, "tcp/order")
         lost = [_segment_at(order, p) for p in lost_positions] if lost_positions else []
-        rnd = _Round(t, n, before + new, order, lost, lost_positions, plan.slow_start, self._rate(flow, profile),
-                     plan.cwnd_limited)
+        rnd = _Round(t, n, before + new, order, lost, lost_positions, self._rate(flow, profile), plan.cwnd_limited)
         flow.round = rnd
         flow.last_sent = n
         flow.rounds += 1
