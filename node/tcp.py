@@ -85,8 +85,9 @@ class Stack:
     # timer fires first (ns-3); Linux's receiver quick-ACKs a connection's first
     # segments (and after idle).
     first_ack_alone: bool
-    # Slow start adds all an ACK acknowledged even past ssthresh (ns-3's CUBIC); Linux
-    # stops at ssthresh and counts the rest in congestion avoidance.
+    # CUBIC's slow start adds all an ACK acknowledged even past ssthresh (ns-3's
+    # TcpCubic; its TcpLinuxReno and Linux stop at ssthresh, the rest counted in
+    # congestion avoidance).
     slow_start_overshoots: bool
 
 
@@ -835,7 +836,10 @@ class TcpTransport:
         returns what is left over for congestion avoidance."""
         if flow.cc == "cubic" and STACK.hystart and not flow.found and flow.phase == _OPEN:
             self._hystart(flow, acked, rnd, sample)
-        grow = acked if STACK.slow_start_overshoots else min(acked, max(0.0, flow.ssthresh - flow.cwnd))
+        if STACK.slow_start_overshoots and flow.cc == "cubic":
+            grow = acked
+        else:
+            grow = min(acked, max(0.0, flow.ssthresh - flow.cwnd))
         flow.cwnd += grow
         flow.ss_grown += grow
         return int(acked - grow)
