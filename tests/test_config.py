@@ -31,7 +31,7 @@ def test_integer_for_a_float_key_is_accepted():
 @pytest.mark.parametrize("override, message", [
     ("algorithm.X=1", "unknown key algorithm.X; [algorithm] has name, C, E, B"),
     ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm, network"),
-    ("network.default_profile=5g", "network.default_profile = '5g' is not a profile; profiles are ideal, lan"),
+    ("network.default_profile=6g", "network.default_profile = '6g' is not a profile; profiles are ideal, lan"),
     ("network.profiles.x.loss=2", "network.profiles.x.loss = 2 must be a probability in [0, 1]"),
     ("network.profiles.x.bandwidth=fast", "network.profiles.x.bandwidth = 'fast': use bytes/s or a number with a unit"),
     ("network.dropout.per_round=1.5", "network.dropout.per_round = 1.5 must be a probability in [0, 1]"),

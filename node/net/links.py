@@ -42,6 +42,8 @@ UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}
 
 JITTER_DISTRIBUTIONS = ("uniform", "normal", "pareto", "paretonormal")
+TRANSPORTS = ("tcp", "message")
+CONGESTION_CONTROLS = ("cubic", "reno")
 
 # Random streams, by purpose: independent draws for independent decisions on the same message.
 _STREAM_LOSS, _STREAM_GE = "loss", "gilbert-elliott"
@@ -108,6 +110,21 @@ class LinkProfile:
     queue_messages: int = 0  # 0: unlimited
     queue_bytes: int = 0  # 0: unlimited
     reorder: bool = False
+    # How messages cross the link (node/net/tcp.py for "tcp"). Under "tcp", `loss` and the
+    # Gilbert-Elliott keys are per packet, not per message.
+    transport: str = "message"
+    # TCP (transport = "tcp" only; docs/network.md, "TCP"):
+    mss_bytes: int = 1448  # payload per segment: a 1500-byte MTU less 52 header bytes
+    header_bytes: int = 52  # per segment on the wire: IPv4 20 + TCP 20 + timestamp option 12
+    init_cwnd_segments: int = 10  # RFC 6928, Linux's default
+    congestion: str = "cubic"  # "cubic" (RFC 9438, Linux's default) or "reno" (RFC 5681)
+    # Drop-tail buffer at the link, bytes; None: 1,000 packets (tc-netem's default limit),
+    # or one bandwidth-delay product where larger (node/net/tcp.py, default_buffer).
+    buffer_bytes: int | None = None
+    rto_min_s: float = 0.2  # Linux's TCP_RTO_MIN (RFC 6298's 1 s is a SHOULD)
+    # A connection whose retransmissions went unanswered this long fails, as Linux gives up
+    # after tcp_retries2 = 15 back-offs from a 200 ms RTO: 924.6 s.
+    connection_timeout_s: float = 924.6
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "link") -> LinkProfile:
@@ -141,6 +158,36 @@ class LinkProfile:
             value = getattr(self, key)
             need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key, "an integer >= 0")
         need(isinstance(self.reorder, bool), "reorder", "true or false")
+        need(self.transport in TRANSPORTS, "transport", f"one of {', '.join(TRANSPORTS)}")
+        need(self.congestion in CONGESTION_CONTROLS, "congestion", f"one of {', '.join(CONGESTION_CONTROLS)}")
+        for key, low in (("mss_bytes", 1), ("header_bytes", 0), ("init_cwnd_segments", 1)):
+            value = getattr(self, key)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= low, key,
+                 f"an integer >= {low}")
+        need(self.buffer_bytes is None or (isinstance(self.buffer_bytes, int) and not isinstance(self.buffer_bytes, bool)
+                                           and self.buffer_bytes > 0),
+             "buffer_bytes", "an integer > 0 (bytes), or left out for one bandwidth-delay product")
+        for key in ("rto_min_s", "connection_timeout_s"):
+            value = getattr(self, key)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                 and value > 0, key, "a number > 0 (seconds)")
+        if self.transport == "tcp":
+            # A TCP connection is a byte stream: it neither reorders messages nor drops one
+            # because a queue is full (its drop-tail buffer drops packets, which it resends).
+            if self.reorder:
+                raise LinkConfigError(f"{where}.reorder = true: a TCP connection delivers its messages in "
+                                      "order; reorder needs transport = 'message'")
+            for key in ("queue_messages", "queue_bytes"):
+                if getattr(self, key):
+                    raise LinkConfigError(
+                        f"{where}.{key} = {getattr(self, key)!r}: under transport = 'tcp' no message is dropped "
+                        "for a full queue; the link's drop-tail buffer is buffer_bytes (packets it drops are "
+                        "resent). Use buffer_bytes, or transport = 'message' for a message queue limit")
+        else:
+            for key in _TCP_KEYS:
+                if getattr(self, key) != _DEFAULTS[key]:
+                    raise LinkConfigError(f"{where}.{key} = {getattr(self, key)!r} applies to transport = 'tcp', "
+                                          f"and this link's transport is {self.transport!r}")
 
     @property
     def ideal(self) -> bool:
@@ -148,6 +195,9 @@ class LinkProfile:
 
 
 IDEAL = LinkProfile()
+_DEFAULTS = {f.name: f.default for f in fields(LinkProfile)}
+_TCP_KEYS = ("mss_bytes", "header_bytes", "init_cwnd_segments", "congestion", "buffer_bytes", "rto_min_s",
+             "connection_timeout_s")
 
 
 def _standard_normal(u1: float, u2: float) -> float:
@@ -465,6 +515,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 45.74 up, 21 ms. Speedtest's latency is a round trip: half of it each way.
     "mobile-2020": {"latency_ms": 20, "up": {"bandwidth": "11.22Mbit"}, "down": {"bandwidth": "35.96Mbit"}},
     "broadband-2020": {"latency_ms": 10.5, "up": {"bandwidth": "45.74Mbit"}, "down": {"bandwidth": "85.73Mbit"}},
+    # Ookla Speedtest Intelligence, the world's median 5G connection in 2023 (reported
+    # February 2024): 207 Mbit/s down, 20 Mbit/s up, 44 ms multi-server latency (RTT).
+    "5g": {"latency_ms": 22, "up": {"bandwidth": "20Mbit"}, "down": {"bandwidth": "200Mbit"}},
+    # A long-haul WAN between sites (cross-silo FL): 78 ms RTT, as WonderProxy's pings
+    # New York-Fremont (77.5 ms) and New York-Paris (78.3 ms) ("Miles per Millisecond",
+    # 2011), over a nominal gigabit site uplink.
+    "wan": {"latency_ms": 39, "bandwidth": "1Gbit"},
 }
 
 NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
