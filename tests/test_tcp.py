@@ -247,6 +247,17 @@ def test_ideal_links_cost_nothing():
     assert arrival.arrival == arrival.entry == 2.5 and arrival.retransmitted_bytes == 0
 
 
+def test_an_ideal_link_delivers_what_enters_at_the_instant_the_model_was_last_asked():
+    """A broker hands out arrivals up to now, then a message enters an ideal link at that
+    same instant: it is due then, not forgotten as if it had been handed out already."""
+    model = TcpTransport(1, lambda link, direction: tcp())
+    model.send(2.5, 0, DOWN, UPDATE, "first")
+    assert [a.token for a in model.arrivals(2.6)] == ["first"]
+    model.send(2.6, 1, DOWN, UPDATE, "second")
+    assert model.next_arrival() == 2.6
+    assert [(a.token, a.arrival) for a in model.arrivals(2.6)] == [("second", 2.6)]
+
+
 def test_reno_and_cubic_both_recover():
     for congestion in ("reno", "cubic"):
         times = [one(tcp(**LTE, loss=0.01, congestion=congestion), UPDATE, seed).arrival for seed in range(5)]

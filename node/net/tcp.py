@@ -385,6 +385,12 @@ class TcpTransport:
 
     # --- the interface -------------------------------------------------------------
 
+    @property
+    def time(self) -> float:
+        """The emulated time the model stands at: the event it is processing, or its
+        latest input (what a profile that changes with time is asked at)."""
+        return self._event_time if self._event_time != -math.inf else self.now
+
     def send(self, t: float, link: int, direction: int, size: int, token: Any) -> None:
         """A message of ``size`` payload bytes enters the connection of ``link`` at t."""
         self._input(t)
@@ -395,7 +401,10 @@ class TcpTransport:
             nseg = max(1, -(-(size + profile.overhead_bytes) // profile.mss_bytes))
             wire = size + profile.overhead_bytes + nseg * profile.header_bytes
             flow.order += 1
-            self._push_done(t, flow, flow.order, Arrival(token, link, direction, t, t, size, wire, 0))
+            # Pushed as is: an input's own completion, never one found again after a rollback
+            # (which _push_done skips when at or before what arrivals() handed out).
+            heapq.heappush(self.done, (t, link, direction, flow.order, Arrival(token, link, direction, t, t, size, wire, 0),
+                                       self._event_time))
             return
         flow.order += 1
         msg = _Msg(token, size, t, flow.order, flow.end_seg, profile.mss_bytes, profile.header_bytes,
