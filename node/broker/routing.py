@@ -67,7 +67,7 @@ class Router:
             dst_pid = registry.names.get(dst)
             target = registry.nodes.get(dst_pid[0]) if dst_pid is not None else None
         link_of = registry.link_of
-        if target is not None and not (self._links.active and link_of):
+        if target is not None and not (self._links.active and link_of) and not self._time.behind:
             if link_of:
                 self._links.account(link_of.get(src), link_of.get(dst_pid), size)
             else:
@@ -133,7 +133,9 @@ class Router:
         # The sender's send stamp (wall clock): the seventh header field, whatever follows it.
         arrival = self._links.transmit(link, direction, size, self._time.entry(fields[6] if len(fields) >= 7 else None),
                                        parcel)
-        if arrival is not None and arrival is not PENDING:
+        if arrival is PENDING:
+            self._time.pending(parcel)
+        elif arrival is not None:
             self._time.deliver(arrival, parcel, link, direction)
 
     def _route_many(self, header: wire.Header, frames: list) -> None:
@@ -169,6 +171,7 @@ class Router:
                 continue
             arrival = links.transmit(*crossing, size, entry, parcel)
             if arrival is PENDING:
+                self._time.pending(parcel)
                 pending += 1
             elif arrival is not None:
                 arrivals.append((arrival, parcel, *crossing))

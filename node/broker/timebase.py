@@ -16,6 +16,7 @@ processes send (:meth:`take`) and what the link model says is due (:meth:`delive
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -35,6 +36,10 @@ log = logging.getLogger("fedemu.broker")
 # stamp is normally a fraction of a millisecond old; a much older one means a starved
 # sender or a bad clock estimate, and must not let a message skip most of its delay.
 MAX_SEND_AGE_S = 1.0
+
+
+# The states of a message waiting in a pair's queue (Timebase.behind).
+WAITING, READY, LOST = "waiting", "ready", "lost"
 
 
 class Parcel(NamedTuple):
@@ -80,6 +85,13 @@ class Timebase:
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
         self._stash_ids = 0
+        # Per (sender, receiver) pair with a copy still in a ``tcp`` connection, what it
+        # sent since, in order: nothing may overtake that copy (a process's messages, and
+        # its DOWN after them, arrive in the order it sent them, as in Erlang). Entries
+        # are [parcel, state, due, link, direction], state WAITING, READY or LOST;
+        # ``_waiting`` finds a pending copy's entry (by the parcel's identity).
+        self.behind: dict[tuple[Pid, Pid], collections.deque] = {}
+        self._waiting: dict[int, list] = {}
 
     def now(self) -> float:
         """Emulated seconds since the run's clock started."""
@@ -99,8 +111,24 @@ class Timebase:
         raise NotImplementedError
 
     def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
-        """Deliver ``parcel`` at emulated time ``due`` (None: now, no link delays it)."""
+        """Deliver ``parcel`` at emulated time ``due`` (None: now, no link delays it), or,
+        if an earlier copy from its sender to its receiver is still in a connection,
+        right after that one."""
+        queue = self.behind.get((parcel.sender, parcel.receiver)) if self.behind else None
+        if queue is None:
+            self._deliver(due, parcel, link, direction)
+        else:
+            queue.append([parcel, READY, due, link, direction])
+
+    def _deliver(self, due: float | None, parcel: Parcel, link: int, direction: int) -> None:
         raise NotImplementedError
+
+    def pending(self, parcel: Parcel) -> None:
+        """``parcel`` is in a connection (the link model hands it back from due()): what
+        its sender sends its receiver from now on waits behind it."""
+        entry = [parcel, WAITING, None, -1, -1]
+        self._waiting[id(parcel)] = entry
+        self.behind.setdefault((parcel.sender, parcel.receiver), collections.deque()).append(entry)
 
     def new_stash(self) -> int:
         """An id for the body of a message to many, which its node keeps until every
@@ -125,10 +153,25 @@ class Timebase:
         """What the link model says has arrived by ``now`` (pending transports), each
         delivered; a lost copy of a message to many still releases its stash, void."""
         for parcel, arrival, link, direction in self._broker.links.due(now):
+            entry = self._waiting.pop(id(parcel))
             if arrival is not None:
-                self.deliver(arrival, parcel, link, direction)
+                entry[1:] = [READY, arrival, link, direction]
             elif parcel.stash:  # its node frees the body when every release has come
-                self.deliver(None, parcel._replace(frames=parcel.outgoing(void=True), stash=0))
+                entry[:] = [parcel._replace(frames=parcel.outgoing(void=True), stash=0), READY, None, -1, -1]
+            else:
+                entry[1] = LOST
+            self._release_behind((parcel.sender, parcel.receiver), now)
+
+    def _release_behind(self, pair: tuple[Pid, Pid], now: float) -> None:
+        """Deliver, in order, what a pair's queue holds up to its next copy still in a
+        connection; never earlier than ``now`` (what waited is due no sooner)."""
+        queue = self.behind[pair]
+        while queue and queue[0][1] is not WAITING:
+            parcel, state, due, link, direction = queue.popleft()
+            if state is READY:
+                self._deliver(None if due is None else max(due, now), parcel, link, direction)
+        if not queue:
+            del self.behind[pair]
 
     def drop_in_flight(self, gone: Callable[[int, float], bool]) -> None:
         """Links for which ``gone(link, now)`` went offline: what is in flight on them is
@@ -205,7 +248,7 @@ class WallTimebase(Timebase):
         entry = now if sent is None else min(now, max(sent, now - MAX_SEND_AGE_S))
         return (entry - self._t0) * self._time_scale
 
-    def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
+    def _deliver(self, due: float | None, parcel: Parcel, link: int, direction: int) -> None:
         frames = parcel.outgoing()
         if due is not None and link >= 0:
             now = time.monotonic()  # wall
@@ -220,7 +263,7 @@ class WallTimebase(Timebase):
         """Every copy's time known as it enters (the ``message`` pipe): one message to the
         node with each receiver's hold, which the node's held-message heap keeps like any
         held message."""
-        if pending:
+        if pending or self.behind:  # some copy waits for, or behind, one in a connection
             super().deliver_many(header, frames, stash, arrivals, pending)
             return
         now = time.monotonic()  # wall
@@ -289,7 +332,7 @@ class VirtualTimebase(Timebase):
     def entry(self, sent: float | None) -> float:
         return self.scheduler.now
 
-    def deliver(self, due: float | None, parcel: Parcel, link: int = -1, direction: int = -1) -> None:
+    def _deliver(self, due: float | None, parcel: Parcel, link: int, direction: int) -> None:
         self.scheduler.hold(self.scheduler.now if due is None else due, parcel.sender, parcel.sequence,
                             parcel.receiver, parcel.node, parcel.outgoing(), link, direction, parcel.index)
 
@@ -340,8 +383,9 @@ class VirtualTimebase(Timebase):
 
     def collect_due(self) -> None:
         """Pending transports' arrivals due by now, held for delivery at this instant."""
-        if self._broker.links.next_due() <= self.scheduler.now:
-            self.arrived(self.scheduler.now)
+        now = self.scheduler.now
+        if self._broker.links.next_due(until=now) <= now:
+            self.arrived(now)
 
     def send_work(self, node: str, frames: list) -> None:
         """A delivery of the current instant to ``node`` (counted in its books)."""
@@ -357,9 +401,13 @@ class VirtualTimebase(Timebase):
     def clock_moved(self) -> None:
         self._broker.changes.clock_moved()
 
-    def next_change(self) -> float:
+    def next_change(self, bound: float = math.inf) -> float:
+        """The next instant at which the network changes or a pending transfer arrives,
+        given that nothing else happens before ``bound`` (the scheduler's next other
+        event), so a transport need not look further."""
         links = self._broker.links
-        return min(links.next_change(), links.next_due())
+        change = links.next_change()
+        return min(change, links.next_due(until=min(bound, change)))
 
     def wake_at(self, wall: float) -> None:
         """Have the serve loop look again (step the scheduler) by ``wall`` (monotonic)."""
