@@ -36,7 +36,7 @@ def test_integer_for_a_float_key_is_accepted():
     ("network.profiles.x.bandwidth=fast", "network.profiles.x.bandwidth = 'fast': use bytes/s or a number with a unit"),
     ("network.dropout.per_round=1.5", "network.dropout.per_round = 1.5 must be a probability in [0, 1]"),
     ("network.stragglers.distribution=gamma", "network.stragglers.distribution = 'gamma': choose one of none, fixed"),
-    ("network.latency=5", "unknown key network.latency; [network] has seed, default_profile"),
+    ("network.latency=5", "unknown key network.latency; [network] has seed, transport, default_profile"),
     ("run.time_scale=0", "run.time_scale = 0.0 is out of range; it must be in (0, 1e6]"),
     ("model.name=resnet", "model.name: unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn, char-lstm"),
     ("algorithm.C=0", "algorithm.C = 0.0 is out of range; it must be in (0, 1]"),

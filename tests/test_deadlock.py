@@ -23,10 +23,12 @@ pytestmark = [pytest.mark.mnist, pytest.mark.slow]
 # clients one after another and one evaluation, a small part of SLOW_UP_S even on a slow,
 # loaded host. The slow ones first ask the age when a = b_u + 1, find themselves
 # outdated, fetch, and are over-active like everyone else. retry_s (120 emulated s) is
-# far above their round trip, so nothing is resent.
+# far above their round trip, so nothing is resent. The ``message`` pipe: every message
+# takes SLOW_UP_S whatever its size (TCP's windows would make a model's upload take
+# several such round trips).
 SLOW_UP_S = 8
 CONSTRUCTION = ["data.clients=20", "algorithm.name=coop", "algorithm.b_l=3", "algorithm.E=1", "algorithm.B=50",
-                "algorithm.eval_every_uploads=2", "run.rounds=6", "algorithm.retry_s=120",
+                "algorithm.eval_every_uploads=2", "run.rounds=6", "algorithm.retry_s=120", "network.transport=message",
                 f"network.profiles.slow.up.latency_ms={SLOW_UP_S * 1000}",
                 "network.assign=[{profile='slow', clients='3-19'}]"]
 

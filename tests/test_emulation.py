@@ -109,8 +109,10 @@ def procs(tmp_path):
 
 
 def test_bandwidth_limited_link_delivers_back_to_back_messages_at_the_rate(procs):
+    """The ``message`` pipe: each message occupies its link size / rate, one after another."""
     rate, size, count = 1_000_000, 100_000, 20  # 1 MB/s: one 100 kB message every 100 ms
-    broker = start_broker(procs, {"default_profile": "slow", "profiles": {"slow": {"bandwidth": rate}}})
+    broker = start_broker(procs, {"transport": "message", "default_profile": "slow",
+                                  "profiles": {"slow": {"bandwidth": rate}}})
     pair = Pair(broker)
     try:
         pair.send_up([np.zeros(size - 60, np.uint8) for _ in range(count)])
@@ -138,9 +140,9 @@ def test_bandwidth_limited_link_delivers_back_to_back_messages_at_the_rate(procs
     assert span == pytest.approx((count - 1) * wire / rate, rel=0.3)
 
 
-def numbers_through(procs: Procs, profile: dict, count: int) -> list:
+def numbers_through(procs: Procs, profile: dict, count: int, transport: str = "tcp") -> list:
     """Send 0..count-1 up one link with ``profile``; the bodies in arrival order."""
-    pair = Pair(start_broker(procs, {"default_profile": "p", "profiles": {"p": profile}}))
+    pair = Pair(start_broker(procs, {"transport": transport, "default_profile": "p", "profiles": {"p": profile}}))
     try:
         pair.send_up(list(range(count)))
         return [body for _, body in pair.wait(count, 30)]
@@ -154,13 +156,15 @@ def test_fifo_holds_under_jitter(procs):
 
 
 def test_reorder_lets_jitter_reorder(procs):
-    got = numbers_through(procs, {"latency_ms": 30, "jitter_ms": 25, "reorder": True}, 300)
+    # A TCP connection delivers in order; the ``message`` pipe lets each message draw its own delay.
+    got = numbers_through(procs, {"latency_ms": 30, "jitter_ms": 25, "reorder": True}, 300, transport="message")
     assert sorted(got) == list(range(300)) and got != list(range(300))
 
 
 def lossy_run(procs: Procs, seed: int, loss: float, count: int, name: str) -> tuple[set, dict]:
-    broker = start_broker(procs, {"default_profile": "lossy", "profiles": {"lossy": {"loss": loss}}},
-                          seed=seed, name=name)
+    # The ``message`` pipe loses whole messages (TCP retransmits: tests/test_tcp.py).
+    broker = start_broker(procs, {"transport": "message", "default_profile": "lossy",
+                                  "profiles": {"lossy": {"loss": loss}}}, seed=seed, name=name)
     pair = Pair(broker)
     try:
         pair.send_up(list(range(count)))
@@ -562,7 +566,9 @@ def test_client_dropped_mid_transfer_is_a_missing_update_and_the_round_completes
 def test_compression_shortens_rounds_on_a_slow_uplink(tmp_path):
     """1 MB/s uplinks: an 800 kB model takes 0.8 s to upload; the paper's 256x sketch
     (6.25% subsample, rotation, 2 bits) a few ms. The run log shows both."""
-    slow_up = ["run.rounds=2", "network.default_profile=up1", "network.profiles.up1.up.bandwidth=1000000"]
+    # The ``message`` pipe, whose upload time is exactly bytes / rate (TCP adds its windows).
+    slow_up = ["run.rounds=2", "network.transport=message", "network.default_profile=up1",
+               "network.profiles.up1.up.bandwidth=1000000"]
     rounds = {}
     for name, extra in (("raw", []), ("sketched", ["compression.subsample=0.0625", "compression.rotate=true",
                                                    "compression.bits=2"])):

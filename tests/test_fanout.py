@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Node, Pid, wire
-from fedemu.node.net.links import DOWN, NetworkSpec
+from fedemu.node.net.links import DOWN
 from fedemu.node.wire import MANY, USER, WireError
 
+from .linkmodel import model_arrivals
 from .realprocs import Procs
 from .test_virtual_time import wait_for
 
@@ -41,12 +42,15 @@ def receivers(node_a: Node, node_b: Node, got: dict, wait: float = 1e6) -> list[
 JITTERY = {"default_profile": "p", "profiles": {"p": {"latency_ms": 30, "jitter_ms": 20, "down": {"bandwidth": "2MB/s"}}}}
 
 
-def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses_once_per_node(procs, nodes):
+@pytest.mark.parametrize("transport", ["tcp", "message"])
+def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses_once_per_node(procs, nodes,
+                                                                                                transport):
     """Virtual time: six clients on two nodes, one send_many of a 200 KB body. Each
     arrival equals the link model's, computed apart from the same seed, to the last bit;
     each link is charged the body its client alone would have got (so a link's books do
     not depend on who shares its node); the broker relayed one message per node."""
-    broker = broker_with(procs, JITTERY, "virtual")
+    network = {**JITTERY, "transport": transport}
+    broker = broker_with(procs, network, "virtual")
     server_node, node_a, node_b = nodes(broker, "srv", "na", "nb")
     got: dict = {}
     pids = receivers(node_a, node_b, got)
@@ -59,12 +63,11 @@ def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses
     server_node.spawn(server, name="server")
     wait_for(lambda: len(got) == 6, "not every client got its copy")
 
-    model = NetworkSpec.from_config(JITTERY, num_clients=6, run_seed=3).build()
     src = Pid("srv", 1)
     assert len({wire.message_size(wire.encode(USER, src, pid, body)) for pid in pids}) == 1  # (the ids' lengths alike)
     # Each link is charged the body, as if sent to its client alone (headers are fedemu's routing).
     sizes = [wire.link_size(wire.encode(USER, src, pid, body)) for pid in pids]
-    expected = {k: model.transmit(k, DOWN, sizes[k], 0.0).arrival for k in range(6)}
+    expected = dict(enumerate(model_arrivals(network, 6, 3, [(0.0, k, DOWN, sizes[k]) for k in range(6)])))
     assert {k: t for k, (t, _) in got.items()} == expected  # exact: no tolerance
     assert len(set(expected.values())) == 6  # the jitter made every link's instant its own
     for _, copy in got.values():
@@ -75,15 +78,17 @@ def test_each_receiver_gets_its_copy_when_its_own_link_says_and_the_body_crosses
     wait_for(lambda: not node_a._stashes and not node_b._stashes, "a node kept a body nobody will receive")
 
 
-def test_a_receiver_whose_link_goes_offline_in_flight_loses_only_its_own_copy(procs, nodes):
+@pytest.mark.parametrize("transport", ["tcp", "message"])
+def test_a_receiver_whose_link_goes_offline_in_flight_loses_only_its_own_copy(procs, nodes, transport):
     """Virtual time: a 1 s link latency; at 0.5 s client 4's link goes offline. The five
-    others get the body at 1.0 s; client 4's copy is counted lost, it times out, and its
-    node frees the body once every receiver's turn has come."""
-    network = {"default_profile": "slow", "profiles": {"slow": {"latency_ms": 1000}}}
+    others get the body when the model says (1.0 s down the pipe; a few round trips of
+    TCP's window); client 4's copy is counted lost, it times out, and its node frees the
+    body once every receiver's turn has come."""
+    network = {"transport": transport, "default_profile": "slow", "profiles": {"slow": {"latency_ms": 1000}}}
     broker = broker_with(procs, network, "virtual")
     server_node, node_a, node_b = nodes(broker, "srv", "na", "nb")
     got: dict = {}
-    pids = receivers(node_a, node_b, got, wait=5.0)
+    pids = receivers(node_a, node_b, got, wait=30.0)
 
     def server(proc):
         proc.node.start_clock()
@@ -93,8 +98,11 @@ def test_a_receiver_whose_link_goes_offline_in_flight_loses_only_its_own_copy(pr
 
     server_node.spawn(server, name="server")
     wait_for(lambda: len(got) == 6, "a client neither got its copy nor timed out")
-    assert got[4] == (5.0, TIMEOUT)
-    assert all(got[k][0] == 1.0 and np.array_equal(got[k][1]["weights"], PAYLOAD) for k in (0, 1, 2, 3, 5))
+    assert got[4] == (30.0, TIMEOUT)
+    size = wire.link_size(wire.encode(USER, Pid("srv", 1), pids[0], {"weights": PAYLOAD}))
+    expected = model_arrivals(network, 6, 3, [(0.0, k, DOWN, size) for k in range(6)])
+    assert expected[0] == 1.0 if transport == "message" else 4.0 < expected[0] < 30.0  # TCP: slow start's round trips
+    assert all(got[k][0] == expected[k] and np.array_equal(got[k][1]["weights"], PAYLOAD) for k in (0, 1, 2, 3, 5))
     stats = server_node.broker_stats()
     assert stats["lost_down"] == 1 and stats["dropped"].get("offline") == 1
     assert not node_a._stashes and not node_b._stashes

@@ -45,7 +45,8 @@ def test_a_wall_clock_message_starts_its_links_clock_at_the_senders_stamp_charge
     (``run.aggregation = "nodes"``) has eight header fields, the stamp still the seventh:
     it keeps its stamp (it used to be read only from seven-field headers, so a charged
     reply's delay started when the broker read it)."""
-    broker, outbox = wall_broker({"default_profile": "p", "profiles": {"p": {"latency_ms": LATENCY_S * 1000}}})
+    broker, outbox = wall_broker({"transport": "message", "default_profile": "p",
+                                  "profiles": {"p": {"latency_ms": LATENCY_S * 1000}}})
     try:
         time.sleep(0.6)  # the run's clock has run a while: a stamp 0.5 s old is not before it started
         stamp = time.monotonic() - 0.5  # sent half a second before the broker reads it
@@ -66,7 +67,8 @@ def test_a_wall_clock_message_starts_its_links_clock_at_the_senders_stamp_charge
 
 
 def test_the_emulator_counts_each_direction_and_says_when_a_message_arrives():
-    spec = NetworkSpec.from_config({"default_profile": "p", "profiles": {"p": {"latency_ms": 10, "bandwidth": 1000}}},
+    spec = NetworkSpec.from_config({"transport": "message", "default_profile": "p",
+                                    "profiles": {"p": {"latency_ms": 10, "bandwidth": 1000}}},
                                    num_clients=2, run_seed=1)
     from fedemu.node.net.emulator import LinkEmulator
 
@@ -84,7 +86,8 @@ def test_the_emulator_counts_each_direction_and_says_when_a_message_arrives():
 def test_the_timeline_holds_each_transfer_as_it_ended_and_each_device_switch_once():
     from fedemu.node.net.emulator import TRANSFER_FIELDS, LinkEmulator
 
-    spec = NetworkSpec.from_config({"default_profile": "p", "profiles": {"p": {"latency_ms": 10, "bandwidth": 1000,
+    spec = NetworkSpec.from_config({"transport": "message", "default_profile": "p",
+                                    "profiles": {"p": {"latency_ms": 10, "bandwidth": 1000,
                                                                              "overhead_bytes": 20}},
                                     "dropout": {"windows": [{"clients": "1", "start_s": 5, "end_s": 8}]}},
                                    num_clients=2, run_seed=1)

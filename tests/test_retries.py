@@ -495,8 +495,10 @@ TINY = ["model.name=2nn", "data.clients=4", "algorithm.E=1", "algorithm.B=10", "
 COOP_ON_OFF = ["algorithm.name=coop", "algorithm.b_l=1", "algorithm.b_u=3",
                "network.dropout.on_off.mean_up_s=10", "network.dropout.on_off.mean_down_s=5",
                "network.dropout.leave=[{clients='3', at_s=0}]"]
-# A quarter of all messages lost, both ways: many replies among them.
-FEDBUFF_LOSSY_SKETCHED = ["algorithm.name=fedbuff", "algorithm.buffer_size=2", "network.default_profile=lossy",
+# A quarter of all messages lost, both ways: many replies among them (the ``message`` pipe
+# loses whole messages; TCP would retransmit the packets).
+FEDBUFF_LOSSY_SKETCHED = ["algorithm.name=fedbuff", "algorithm.buffer_size=2", "network.transport=message",
+                          "network.default_profile=lossy",
                           "network.profiles.lossy.loss=0.25", "compression.subsample=0.25",
                           "compression.rotate=true", "compression.bits=4"]
 

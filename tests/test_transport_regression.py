@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.mnist, pytest.mark.slow]
 # the server's shared links, scripted events by round and by time, per-round, window
 # and on/off drop-outs, straggler classes.
 RICH_NETWORK = {
+    "transport": "message",
     "default_profile": "lte", "server_up_bandwidth": "20Mbit", "server_down_bandwidth": "15Mbit",
     "profiles": {
         "sat": {"latency_ms": 300, "jitter_ms": 20, "jitter_distribution": "pareto",

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Node, Pid, Stalled, wire
-from fedemu.node.net.links import NetworkSpec
 from fedemu.node.wire import USER
 
+from .linkmodel import model_arrivals
 from .realprocs import Procs
 
 
@@ -51,11 +51,12 @@ class Hogs:
             p.wait()
 
 
-def test_every_message_arrives_exactly_when_the_link_model_says_under_load(procs, nodes):
+@pytest.mark.parametrize("transport", ["tcp", "message"])
+def test_every_message_arrives_exactly_when_the_link_model_says_under_load(procs, nodes, transport):
     """Latency, jitter, a 1 MB/s uplink shared by back-to-back messages, and the server's
     own uplink bottleneck downstream: each arrival, read on the receiver's clock, equals
     the model's arrival computed independently from the same seed, to the last bit."""
-    network = {"default_profile": "p", "server_up_bandwidth": "2MB/s",
+    network = {"transport": transport, "default_profile": "p", "server_up_bandwidth": "2MB/s",
                "profiles": {"p": {"latency_ms": 40, "jitter_ms": 15, "jitter_distribution": "paretonormal",
                                   "up": {"bandwidth": "1MB/s"}, "down": {"bandwidth": "4MB/s"}}}}
     broker = virtual_broker(procs, network)
@@ -87,15 +88,14 @@ def test_every_message_arrives_exactly_when_the_link_model_says_under_load(procs
         server_node.spawn(server, name="server")
         wait_for(lambda: len(echoed) == 3, "not every message arrived")
 
-    model = NetworkSpec.from_config(network, num_clients=4, run_seed=1).build()
-
     def size_on_wire(src, dst, size):
         return wire.link_size(wire.encode(USER, src, dst, b"x" * size))
 
-    up = [model.transmit(0, 0, size_on_wire(client_pid, server_pid, s), 0.0).arrival for s in sizes]
-    assert seen == [(t, s) for t, s in zip(up, sizes)]  # exact: no tolerance
     sent_down = seen[-1][0]  # the server answered at the instant the last upload arrived
-    down = [model.transmit(0, 1, size_on_wire(server_pid, client_pid, s), sent_down).arrival for s in sizes[:3]]
+    model = model_arrivals(network, 4, 1, [(0.0, 0, 0, size_on_wire(client_pid, server_pid, s)) for s in sizes]
+                           + [(sent_down, 0, 1, size_on_wire(server_pid, client_pid, s)) for s in sizes[:3]])
+    up, down = model[:len(sizes)], model[len(sizes):]
+    assert seen == [(t, s) for t, s in zip(up, sizes)]  # exact: no tolerance
     assert echoed == [(t, s) for t, s in zip(down, sizes[:3])]
     assert up[1] > 0.2 and down[1] - sent_down > 0.1  # the bandwidths did shape it
 

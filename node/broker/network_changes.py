@@ -32,7 +32,7 @@ class NetworkChanges:
                 self.check_devices(list(self._broker.registry.owners))
 
     def set_links(self, body: dict) -> None:
-        self._links.set_links(body)
+        self._links.set_links(body, self._broker.time.now())
         if body.get("offline") is True:
             self.went_offline()
         if isinstance(body.get("offline"), bool):
@@ -43,6 +43,7 @@ class NetworkChanges:
         offline never arrives (the timebase drops what it holds, each counted lost)."""
         links = self._links
         self._broker.time.drop_in_flight(lambda link, at: links.is_offline(link, at))
+        links.connections_lost(self._broker.time.now())  # what TCP connections still carried
 
     def clock_moved(self) -> None:
         """Emulated time moved on: time-based availability changes and scripted events
@@ -67,6 +68,9 @@ class NetworkChanges:
         self._tell_devices(changes)
 
     def _tell_devices(self, changes: list[tuple[int, bool]]) -> None:
+        gone = [link for link, offline in changes if offline]
+        if gone:  # a device that goes offline takes its connection down with it
+            self._links.connections_lost(self._broker.time.now(), gone)
         owners = self._broker.registry.owners
         self._tell_pids([(pid, offline) for link, offline in changes for pid in owners.get(link, ())])
 

@@ -191,11 +191,11 @@ class VirtualScheduler:
                 self._prune_at = max(1024, 4 * len(self._last_due))
 
     def _next_event(self) -> float:
-        candidates = [self.host.next_change()]
+        candidates = [view.next for view in self._views.values() if view.next is not None]
         if self._held:
             candidates.append(self._held[0].due)
-        candidates += [view.next for view in self._views.values() if view.next is not None]
-        return min(candidates)
+        bound = min(candidates, default=math.inf)
+        return min(bound, self.host.next_change(bound))
 
     def _deliver(self) -> bool:
         """Everything due by now, to each node involved: one advance (the instant, its

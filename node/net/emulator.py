@@ -16,13 +16,15 @@ the model can be tested alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable
 
-from .links import DOWN, UP, LinkConfigError, Network, NetworkSpec, parse_ids
+from .links import DOWN, UP, LinkConfigError, LinkProfile, Network, NetworkSpec, parse_ids
+from .tcp import Arrival, TcpTransport
 
 log = logging.getLogger("fedemu.broker")
 
@@ -89,6 +91,10 @@ class LinkEmulator:
         # online and offline as its owners were told ([link, emulated time, offline]).
         self._transfers: list[list] = []
         self._availability: list[list] = []
+        # The ``tcp`` transport, made when a link first needs it; what it lost with a
+        # connection and not yet handed back by due() (parcel, link, direction).
+        self._tcp: TcpTransport | None = None
+        self._failed: list[tuple[Any, int, int]] = []
 
     # --- books ---------------------------------------------------------------------------
 
@@ -175,9 +181,12 @@ class LinkEmulator:
 
     # --- messages --------------------------------------------------------------------------
 
-    def transmit(self, link: int, direction: int, size: int, entry: float, parcel: Any = None) -> float | None:
+    def transmit(self, link: int, direction: int, size: int, entry: float, parcel: Any = None) -> Any:
         """A message of ``size`` bytes entering ``link`` in ``direction`` at emulated time
-        ``entry``: its arrival time, or None if it is lost (counted)."""
+        ``entry``: its arrival time, None if it is lost (counted), or PENDING (``tcp``:
+        ``parcel`` comes back from due() once it has arrived, or was lost)."""
+        if self.network.profile(link, direction).transport == "tcp":
+            return self._send_tcp(link, direction, size, entry, parcel)
         verdict = self.network.transmit(link, direction, size, entry)
         wire_size = size + self.network.profile(link, direction).overhead_bytes
         if verdict.dropped != "offline":  # lost to loss or a full queue: its bytes went on the wire
@@ -202,14 +211,108 @@ class LinkEmulator:
         self._transfers.append([link, direction, entry, verdict.arrival, size, wire_size, 0, "delivered", None])
         return verdict.arrival
 
-    def next_due(self) -> float:
-        """When a PENDING message can next arrive (math.inf: none is pending)."""
-        return math.inf
+    def _send_tcp(self, link: int, direction: int, size: int, entry: float, parcel: Any) -> Any:
+        if self.network.is_offline(link, entry):  # no connection to send on
+            self.lost(link, direction, "offline")
+            self._transfers.append([link, direction, entry, entry, size, 0, 0, "offline", None])
+            return None
+        tcp = self._transport()
+        # The model takes its inputs in time order; on the wall clock a sender's stamp may
+        # lie a little before what the model has already seen.
+        tcp.send(max(entry, tcp.now), link, direction, size, parcel)
+        return PENDING
 
-    def due(self, now: float) -> list[tuple[Any, float, int, int]]:
-        """PENDING messages arrived by ``now``: (parcel, arrival, link, direction), in
-        arrival order."""
-        return []
+    def next_due(self, until: float = math.inf) -> float:
+        """When a PENDING message can next arrive, or be lost with its connection (math.inf:
+        none is pending). ``until``: no message enters any link before min(until, the
+        answer) (virtual time knows its next other event): the model need not look further."""
+        if self._failed:
+            return -math.inf
+        return math.inf if self._tcp is None else self._tcp.next_arrival(until)
+
+    def due(self, now: float) -> list[tuple[Any, float | None, int, int]]:
+        """PENDING messages that arrived, or were lost, by ``now``: (parcel, arrival or
+        None if lost, link, direction), losses first, then arrivals in arrival order."""
+        out: list[tuple[Any, float | None, int, int]] = [(parcel, None, link, direction)
+                                                         for parcel, link, direction in self._failed]
+        self._failed = []
+        if self._tcp is None:
+            return out
+        for item in self._tcp.arrivals(now):
+            link, direction = item.link, item.direction
+            self._wired(link, direction, item.wire_bytes, item.retransmitted_bytes)
+            if not isinstance(item, Arrival):  # its connection timed out: retransmissions unanswered
+                self.lost(link, direction, item.cause)
+                self._transfers.append([link, direction, item.entry, item.time, item.payload_bytes, item.wire_bytes,
+                                        item.retransmitted_bytes, item.cause, None])
+                out.append((item.token, None, link, direction))
+                continue
+            if self.network.is_offline(link, item.arrival):  # its device went offline unseen: lost
+                self.lost(link, direction, "offline")
+                self._transfers.append([link, direction, item.entry, item.arrival, item.payload_bytes,
+                                        item.wire_bytes, item.retransmitted_bytes, "offline", None])
+                out.append((item.token, None, link, direction))
+                continue
+            c = self._counters(link)
+            if direction == UP:
+                c.up_transfer_s += item.arrival - item.entry
+            else:
+                c.down_transfer_s += item.arrival - item.entry
+            self._transfers.append([link, direction, item.entry, item.arrival, item.payload_bytes, item.wire_bytes,
+                                    item.retransmitted_bytes, "delivered", None])
+            out.append((item.token, item.arrival, link, direction))
+        return out
+
+    def connections_lost(self, now: float, links: Iterable[int] | None = None) -> None:
+        """Clients that went offline at ``now`` (``links``; None: every link offline now):
+        what their TCP connections still carried is lost, the bytes already sent counted;
+        due() hands the parcels back."""
+        tcp = self._tcp
+        if tcp is None:
+            return
+        if links is None:
+            links = {link for link, _ in tcp.flows if self.network.is_offline(link, now)}
+        for link in sorted(set(links)):
+            for failure in tcp.fail(max(now, tcp.now), link):
+                self._wired(link, failure.direction, failure.wire_bytes, failure.retransmitted_bytes)
+                self.lost(link, failure.direction, "offline")
+                self._transfers.append([link, failure.direction, failure.entry, failure.time, failure.payload_bytes,
+                                        failure.wire_bytes, failure.retransmitted_bytes, "offline", None])
+                self._failed.append((failure.token, link, failure.direction))
+
+    def _transport(self) -> TcpTransport:
+        if self._tcp is None:
+            network = self.network
+            varying = bool(network.link_traces) or (network.time_of_day is not None
+                                                   and network.time_of_day.bandwidth is not None)
+            server = {d: (b.bandwidth if b is not None else math.inf) for d, b in network.server_links.items()}
+            self._tcp = TcpTransport(self.network.seed, self._tcp_profile if varying else network.profile, server,
+                                     self.spec.server_buffers if self.spec is not None else None)
+        return self._tcp
+
+    def _tcp_profile(self, link: int, direction: int) -> LinkProfile:
+        """A link's profile as the TCP model asks for it while it stands at a time: a trace's
+        latency and loss at that time, and the rate averaged over one base round trip (the
+        model takes one rate per round trip, so a rate that changes within one is seen as
+        its mean; a link with no rate at all for the round is as good as stalled)."""
+        t = self._tcp.time
+        profile = self.network.profile_at(link, direction, t)
+        rate = self.network.rate(link, direction, profile.bandwidth)
+        if rate is None:
+            return profile
+        rtt = max((profile.latency_ms + self.network.profile(link, 1 - direction).latency_ms) / 1000.0, 1e-3)
+        return dataclasses.replace(profile, bandwidth=max(rate.served(t, t + rtt) / rtt, 1.0))
+
+    def profiles_changed(self, clients: Iterable[int] | None, now: float) -> None:
+        """``clients``' profiles changed at ``now`` (None: everyone's): the TCP model's
+        connections take their new rates from now."""
+        tcp = self._tcp
+        if tcp is None:
+            return
+        links = {link for link, _ in tcp.flows} if clients is None else set(clients)
+        for link in sorted(links):
+            if (link, UP) in tcp.flows or (link, DOWN) in tcp.flows:
+                tcp.update(max(now, tcp.now), link)
 
     # --- the network changing ------------------------------------------------------------
 
@@ -244,13 +347,14 @@ class LinkEmulator:
             return str(exc)
         return None
 
-    def set_links(self, body: dict) -> None:
+    def set_links(self, body: dict, now: float) -> None:
         """Give a group of clients a named profile, or force them offline/online (the
         request was checked by check_set_links)."""
         clients = parse_ids(body.get("clients", []), "clients", self.spec.num_clients)
         profile = body.get("profile")
         if profile is not None:
             self.spec.apply(self.network, profile, clients)
+            self.profiles_changed(clients, now)
             log.info("clients %s now on profile %s", _ids_text(clients), profile)
         if body.get("offline") is True:
             self.network.offline |= clients
@@ -268,6 +372,7 @@ class LinkEmulator:
             if due and not event.done:
                 event.done = True
                 self.spec.apply(self.network, event.profile, event.clients)
+                self.profiles_changed(event.clients, now)
                 self.active = not self.network.ideal
                 log.info("scripted event: clients %s now on profile %s (round %s, t=%.3fs)",
                          _ids_text(event.clients), event.profile, round_, now)

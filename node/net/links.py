@@ -112,7 +112,7 @@ class LinkProfile:
     reorder: bool = False
     # How messages cross the link (node/net/tcp.py for "tcp"). Under "tcp", `loss` and the
     # Gilbert-Elliott keys are per packet, not per message.
-    transport: str = "message"
+    transport: str = "tcp"
     # TCP (transport = "tcp" only; docs/network.md, "TCP"):
     mss_bytes: int = 1448  # payload per segment: a 1500-byte MTU less 52 header bytes
     header_bytes: int = 52  # per segment on the wire: IPv4 20 + TCP 20 + timestamp option 12
@@ -191,7 +191,10 @@ class LinkProfile:
 
     @property
     def ideal(self) -> bool:
-        return self == IDEAL
+        """Whether this link can neither delay nor drop a message, whatever its transport."""
+        return (self.latency_ms == 0 and self.jitter_ms == 0 and math.isinf(self.bandwidth)
+                and self.overhead_bytes == 0 and self.loss == 0 and self.ge_p == 0
+                and self.queue_messages == 0 and self.queue_bytes == 0)
 
 
 IDEAL = LinkProfile()
@@ -524,15 +527,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wan": {"latency_ms": 39, "bandwidth": "1Gbit"},
 }
 
-NETWORK_KEYS = ("seed", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
-                "profiles", "assign", "events", "dropout", "traces", "devices", "time_of_day")
+NETWORK_KEYS = ("seed", "transport", "default_profile", "server_up_bandwidth", "server_down_bandwidth",
+                "server_buffer_bytes", "profiles", "assign", "events", "dropout", "traces", "devices", "time_of_day")
 
 
-def profile_pair(name: str, values: dict, where: str) -> tuple[LinkProfile, LinkProfile]:
-    """(up, down) from a profile table: shared keys, then optional `up`/`down` tables."""
+def profile_pair(name: str, values: dict, where: str, transport: str = "tcp") -> tuple[LinkProfile, LinkProfile]:
+    """(up, down) from a profile table: shared keys, then optional `up`/`down` tables;
+    ``transport``: the network's, for a profile that names none."""
     if not isinstance(values, dict):
         raise LinkConfigError(f"{where} must be a table of link keys")
-    shared = {k: v for k, v in values.items() if k not in ("up", "down")}
+    shared = {"transport": transport, **{k: v for k, v in values.items() if k not in ("up", "down")}}
     pair = []
     for direction in ("up", "down"):
         extra = values.get(direction, {})
@@ -571,6 +575,7 @@ class NetworkSpec:
     availability: Availability | None = None
     population: Population | None = None  # traces mapped to clients, device classes
     time_of_day: TimeOfDay | None = None
+    server_buffer_bytes: int | None = None  # the server's shared links' drop-tail buffers (tcp); None: the model's
     raw: dict = field(default_factory=dict)  # the section as given, to hand to the broker
 
     @classmethod
@@ -583,12 +588,21 @@ class NetworkSpec:
             raise LinkConfigError(f"network.seed = {seed!r} must be an integer in [0, 2**63)")
         if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not time_scale > 0:
             raise LinkConfigError(f"run.time_scale = {time_scale!r} must be a number > 0")
-        profiles = {name: profile_pair(name, values, f"network.profiles.{name}") for name, values in PRESETS.items()}
+        transport = section.get("transport", "tcp")
+        if transport not in TRANSPORTS:
+            raise LinkConfigError(f"network.transport = {transport!r} must be one of {', '.join(TRANSPORTS)} "
+                                  "(how every profile's messages cross their links, unless the profile says)")
+        buffer = section.get("server_buffer_bytes")
+        if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 < buffer < 2**40):
+            raise LinkConfigError(f"network.server_buffer_bytes = {buffer!r} must be an integer in (0, 2**40) "
+                                  "(bytes: the drop-tail buffer of each of the server's shared links, under tcp)")
+        profiles = {name: profile_pair(name, values, f"network.profiles.{name}", transport)
+                    for name, values in PRESETS.items()}
         user_profiles = section.get("profiles", {})
         if not isinstance(user_profiles, dict):
             raise LinkConfigError("network.profiles must be a table of named profiles")
         for name, values in user_profiles.items():
-            profiles[name] = profile_pair(name, values, f"network.profiles.{name}")
+            profiles[name] = profile_pair(name, values, f"network.profiles.{name}", transport)
 
         def known(name: Any, where: str) -> str:
             if name not in profiles:
@@ -635,14 +649,22 @@ class NetworkSpec:
             server_up_bandwidth=parse_bandwidth(section.get("server_up_bandwidth", "unlimited"), "network.server_up_bandwidth"),
             server_down_bandwidth=parse_bandwidth(section.get("server_down_bandwidth", "unlimited"), "network.server_down_bandwidth"),
             profiles=profiles, assign=assign, events=events, availability=availability, population=population,
-            time_of_day=time_of_day, raw=section,
+            time_of_day=time_of_day, server_buffer_bytes=buffer, raw=section,
         )
+
+    @property
+    def server_buffers(self) -> dict[int, float] | None:
+        """The server's shared links' buffers for the TCP model (None: its default)."""
+        if self.server_buffer_bytes is None:
+            return None
+        return {UP: float(self.server_buffer_bytes), DOWN: float(self.server_buffer_bytes)}
 
     @property
     def can_drop(self) -> bool:
         """Whether this network can lose a message or take a client offline."""
         used = {self.default_profile, *(name for name, _ in self.assign), *(e.profile for e in self.events)}
-        lossy = any(p.loss > 0 or p.ge_p > 0 or p.queue_messages or p.queue_bytes
+        # Under tcp a lost packet is sent again, never the message: only drop-outs lose one.
+        lossy = any(p.transport == "message" and (p.loss > 0 or p.ge_p > 0 or p.queue_messages or p.queue_bytes)
                     for name in used for p in self.profiles[name])
         traced = self.population is not None and any(t.loss is not None or t.up is not None or t.down is not None
                                                       for t in self.population.links().values())  # loss, outages
