@@ -573,8 +573,9 @@ def test_compression_shortens_rounds_on_a_slow_uplink(tmp_path):
         ends = [e["emulated_s"] for e in events]
         return [b - a for a, b in zip([0.0] + ends, ends)]
 
+    assert [len(rounds["raw"]), len(rounds["sketched"])] == [2, 2]  # else the zip below would check less
     for raw, sketched, raw_s, sketched_s in zip(rounds["raw"], rounds["sketched"], lengths(rounds["raw"]),
-                                                lengths(rounds["sketched"])):
+                                                lengths(rounds["sketched"]), strict=True):
         assert sketched["bytes_up"] * 100 < raw["bytes_up"]
         # Each upload spends its bytes / 1 MB/s on its own link: 10 x 0.8 s in all.
         assert raw["transfer_s_up"] == pytest.approx(raw["bytes_up"] / 1e6, rel=1e-6)
