@@ -167,7 +167,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
             while queue and len(running) < parallel and not stop.is_set():
                 p = queue.pop(0)
                 hosts = free_hosts.pop(0) if layout.host_groups else None
-                running[p.id] = _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop)
+                _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop, running)
                 echo(f"start  {p.id}  {progress.line(len(running), parallel)}")
                 progress_view.start(p.id, sweep_dir / "runs" / p.id, p.config["run"]["rounds"])
             progress_view.poll()
@@ -201,7 +201,8 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
         previous = signal.signal(signal.SIGINT, lambda *_: echo("still stopping the running points ..."))
         try:
             for pid, (thread, box, p) in list(running.items()):
-                thread.join()
+                if thread.ident is not None:  # else stopped before its thread started
+                    thread.join()
                 _finish(p, box, index, sweep_dir, spec.target, progress, echo, 0, parallel)
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -210,11 +211,11 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
 
 
 def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, hosts: Machines | None,
-           stop: threading.Event) -> tuple[threading.Thread, dict, Point]:
+           stop: threading.Event, running: dict) -> None:
+    """Start point ``p`` in a thread, entered in ``running`` before the index calls it
+    running: a stop at any instant of this finds it there and ends it in the index."""
     config = layout.point_config(p.config)
     run_dir, attempts = new_attempt(sweep_dir, p.id, row)
-    index.update(p.id, status="running", attempts=attempts, run_dir=str(run_dir.relative_to(sweep_dir)),
-                 started_at=now(), finished_at=None, reason=None, pids="[]")
     box: dict = {"hosts": hosts}
     lock = threading.Lock()
 
@@ -232,8 +233,10 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
         box["wall"] = time.monotonic() - started  # wall
 
     thread = threading.Thread(target=target, name=f"point {p.id}", daemon=True)
+    running[p.id] = (thread, box, p)
+    index.update(p.id, status="running", attempts=attempts, run_dir=str(run_dir.relative_to(sweep_dir)),
+                 started_at=now(), finished_at=None, reason=None, pids="[]")
     thread.start()
-    return thread, box, p
 
 
 def new_attempt(sweep_dir: Path, point_id: str, row: dict) -> tuple[Path, int]:

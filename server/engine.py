@@ -453,13 +453,7 @@ class RoundEngine(Engine):
             started = time.monotonic()  # wall
             round_started = proc.now()  # emulated
             proc.node.announce_round(round_, by=proc.pid)
-            candidates = sorted(self.live)
-            if self.strategy.selects_all:
-                selected = candidates
-            else:
-                m = min(s.per_round + self.over_select, len(candidates))
-                selected = sorted(int(k) for k in streams.generator(s.seed, "selection", round_).choice(
-                    candidates, size=m, replace=False))
+            selected = self.select(round_)
             # Over-selection: a phase closes once m replies are in.
             book = _RoundBook(selected, target=s.per_round if self.over_select else None)
             self.totals.asked.update(selected)
@@ -498,6 +492,17 @@ class RoundEngine(Engine):
             if reason:
                 return "completed", reason
         return "completed", f"ran {s.rounds} rounds"
+
+    def select(self, round_: int) -> list[int]:
+        """Round ``round_``'s clients, sorted: m (+ over_select) of the live ones, drawn
+        from the round's own stream ("selection", round), so no earlier round's draws (a
+        retried selection, a changed C) move it; every live client for FSVRG."""
+        candidates = sorted(self.live)
+        if self.strategy.selects_all:
+            return candidates
+        m = min(self.settings.per_round + self.over_select, len(candidates))
+        return sorted(int(k) for k in streams.generator(self.settings.seed, "selection", round_).choice(
+            candidates, size=m, replace=False))
 
     def _per_client(self, round_: int, book: _RoundBook, clients: list[ClientRound]) -> dict:
         """A round event's per-client fields: which selected clients answered, straggled,

@@ -145,20 +145,38 @@ def test_augmentation_crops_flips_and_draws_from_the_generator(monkeypatch):
     assert any(flips) and not all(flips)
 
 
-def test_mcmahans_cifar_model_trains_on_augmented_batches():
+def test_mcmahans_cifar_model_trains_on_augmented_batches_and_is_scored_on_centre_crops():
     model = models.build("cifar-cnn", (3, 24, 24), 10, seed=0)
     # Two 5x5x64 convolutions, 384 and 192 units, 10 logits: "about 10^6 parameters".
     assert models.num_parameters(model) == (5 * 5 * 3 * 64 + 64) + (5 * 5 * 64 * 64 + 64) + (6 * 6 * 64 * 384 + 384) \
         + (384 * 192 + 192) + (192 * 10 + 10) == 1_068_298
     dataset = cifar10.Cifar10()
     _, arrays = synthetic_archive(4)
+    seen: list[torch.Tensor] = []  # what the model was given in training
+    hook = model.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
     before = models.get_flat(model).copy()
     result = client_update(model, arrays["train_x"], arrays["train_y"], epochs=1, batch_size=10, lr=0.05,
                            generator=torch.Generator().manual_seed(0), dataset=dataset)
+    hook.remove()
     assert result.steps == 5 and np.isfinite(result.train_loss)
     assert not np.array_equal(before, result.weights)
+    # Augmented: whitened 24x24 windows, almost none of them an image's plain centre crop
+    # (what evaluation sees). A window is the centre one unflipped with probability 1/162,
+    # so 6 or more of 50 happen by chance with probability 7e-7; unaugmented, all 50 are.
+    trained_on = torch.cat(seen).reshape(50, -1)
+    assert torch.cat(seen).shape == (50, 3, 24, 24)
+    np.testing.assert_allclose(trained_on.mean(dim=1), 0, atol=1e-4)
+    centres = dataset.inputs(arrays["train_x"]).reshape(50, -1)
+    plain = int((torch.cdist(trained_on, centres).min(dim=1).values < 1.0).sum())
+    assert plain <= 5, f"{plain} of 50 training inputs were an image's plain centre crop"
+    # Scored on the whitened centre crops, as computed here from the model's logits.
     accuracy, loss = evaluate(model, arrays["test_x"], arrays["test_y"], dataset=dataset)
-    assert 0.0 <= accuracy <= 1.0 and np.isfinite(loss)
+    model.eval()
+    with torch.no_grad():
+        logits = model(dataset.inputs(arrays["test_x"]))
+    targets = torch.from_numpy(arrays["test_y"].astype(np.int64))
+    assert accuracy == pytest.approx((logits.argmax(dim=1) == targets).float().mean().item())
+    assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, targets).item(), rel=1e-5)
 
 
 @pytest.mark.slow

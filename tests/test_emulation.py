@@ -18,9 +18,9 @@ from .realprocs import Procs
 from .test_launch import launch, wait_for_round
 from .test_links import binomial_interval
 
-# None of these tests is about liveness: the broker forgets a node only after this much
-# silence, far beyond any pause a loaded host gives a node's I/O thread (its nodes beat
-# every 0.1 s).
+# None of these tests is about liveness: the broker forgets a node, and a node the broker,
+# only after this much silence, far beyond any pause a loaded host gives a node's I/O
+# thread (its nodes beat every 0.1 s).
 HEARTBEAT_TIMEOUT = 10.0
 HEARTBEAT_INTERVAL = 0.1
 
@@ -36,8 +36,10 @@ class Pair:
     """A client process (owner of link 0) on one node and a server on another."""
 
     def __init__(self, broker: str):
-        self.client_node = Node("client-node", broker, heartbeat_interval=HEARTBEAT_INTERVAL).start()
-        self.server_node = Node("server-node", broker, heartbeat_interval=HEARTBEAT_INTERVAL).start()
+        self.client_node = Node("client-node", broker, heartbeat_interval=HEARTBEAT_INTERVAL,
+                                heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
+        self.server_node = Node("server-node", broker, heartbeat_interval=HEARTBEAT_INTERVAL,
+                                heartbeat_timeout=HEARTBEAT_TIMEOUT).start()
         self.arrivals: list[tuple[float, object]] = []
         self.server = self.server_node.spawn(self._collect, name="server")
         # Another node registers "server": until the broker knows the name, a message to
@@ -133,11 +135,13 @@ def test_bandwidth_limited_link_delivers_back_to_back_messages_at_the_rate(procs
     model = sum(i + 1 for i in range(count)) * wire / rate
     sending = pair.sent_between[1] - pair.sent_between[0] + 0.01  # (+ the send stamps' clock slop)
     assert model - (count - 1) * sending - 1e-6 <= link["up_transfer_s"] <= model + 1e-6
-    # And the wall clock agrees, loosely: a loaded host delays a release now and then.
-    gaps = np.diff(arrivals)
-    assert np.median(gaps) == pytest.approx(wire / rate, rel=0.3)
-    span = arrivals[-1] - arrivals[0]
-    assert span == pytest.approx((count - 1) * wire / rate, rel=0.3)
+    # And the wall clock agrees. Never early, whatever the load: message i is released no
+    # sooner than the first could enter plus i + 1 message times (one clock: the nodes
+    # share the broker's). Late only now and then: a loaded host delays a release, which
+    # moves one gap, not the median (within 1 ms beside two CPU hogs; the bound is 50 ms).
+    message_s = wire / rate
+    assert all(t >= pair.sent_between[0] + (i + 1) * message_s - 1e-3 for i, t in enumerate(arrivals))
+    assert np.median(np.diff(arrivals)) == pytest.approx(message_s, abs=0.05)
 
 
 def numbers_through(procs: Procs, profile: dict, count: int, transport: str = "tcp") -> list:
@@ -251,7 +255,9 @@ def test_nodes_on_the_brokers_machine_share_its_clock(procs):
         pair.close()
 
 
-LATENCY_S = 2.0  # one way on client 0's link: in flight long after going offline takes
+# One way on client 0's link: in flight long after going offline takes (0.15 s at most,
+# beside two CPU hogs).
+LATENCY_S = 5.0
 
 
 def in_flight_run(procs: Procs, network: dict, go_offline) -> tuple[list, list, dict]:
@@ -371,8 +377,12 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
     """A scheduled window takes client 0 offline: the broker tells the client's own node
     when the window opens and closes (its flags, and a behaviour's link_changed in
     order), and a send the device had scheduled with unless_offline never happens."""
-    window = (10.0, 12.0)  # emulated seconds from the broker's start: after setup, even on a loaded host
-    late = 1.0  # how late a loaded host may let the node see a switch (the broker's loop, the notice)
+    # Emulated seconds from the broker's start: after the set-up below, even on a loaded
+    # host (the broker is at 0.3 s at most when asked, beside two CPU hogs).
+    window = (10.0, 12.0)
+    # How late a loaded host may let the node see a switch (the broker's loop, the notice):
+    # 35 ms at most beside two CPU hogs. Never early, whatever the load.
+    late = 3.0
     pair = Pair(start_broker(procs, {"dropout": {"windows": [{"clients": "0", "start_s": window[0],
                                                                 "end_s": window[1]}]}}))
     heard: list = []
@@ -395,19 +405,19 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
         proc.send_after(due_after_window, "server", "guarded", unless_offline=True)
         proc.send_after(due_after_window, "server", "plain")
         flips = []  # (wall seconds from `started`, offline)
-        while time.monotonic() - started < due_after_window + late:
+        while len(flips) < 2 and time.monotonic() - started < due_after_window + late:
             if proc.offline != (flips[-1][1] if flips else False):
                 flips.append((time.monotonic() - started, proc.offline))
             time.sleep(0.005)
-        arrivals = pair.wait(1, 20)
+        pair.wait(1, due_after_window + 20)
+        arrivals = pair.wait(2, 1.0)  # the guarded send, had it gone, was due with the plain one
     finally:
         pair.close()
     assert [state for _, state in flips] == [True, False]
-    # When the window opened: never before it (exactly, up to the stats call's round
-    # trip), and not much after.
-    assert window[0] - now - (started - asked) - 1e-3 <= flips[0][0] < window[0] - now + late
-    length = window[1] - window[0]
-    assert length - late < flips[1][0] - flips[0][0] < length + late  # open for about its 2 s
+    # When the window opened and closed: never before (exactly, up to the stats call's
+    # round trip), and not much after.
+    for (seen_at, _), edge in zip(flips, window, strict=True):
+        assert edge - now - (started - asked) - 1e-3 <= seen_at < edge - now + late
     assert proc.offline_count == 1
     assert heard == [True, False]
     assert [body for _, body in arrivals] == ["plain"]  # "guarded" was lost with the device
@@ -581,8 +591,9 @@ def test_compression_shortens_rounds_on_a_slow_uplink(tmp_path):
         ends = [e["emulated_s"] for e in events]
         return [b - a for a, b in zip([0.0] + ends, ends)]
 
+    assert [len(rounds["raw"]), len(rounds["sketched"])] == [2, 2]  # else the zip below would check less
     for raw, sketched, raw_s, sketched_s in zip(rounds["raw"], rounds["sketched"], lengths(rounds["raw"]),
-                                                lengths(rounds["sketched"])):
+                                                lengths(rounds["sketched"]), strict=True):
         assert sketched["bytes_up"] * 100 < raw["bytes_up"]
         # Each upload spends its bytes / 1 MB/s on its own link: 10 x 0.8 s in all.
         assert raw["transfer_s_up"] == pytest.approx(raw["bytes_up"] / 1e6, rel=1e-6)

@@ -27,6 +27,7 @@ from fedemu.server.runlog import read_events
 from fedemu.worker.ml import data
 from fedemu.worker.ml.datasets.mnist import Mnist
 
+from .conftest import missing_prerequisite, needs
 from .test_launch import launch, node_pid, processes_of
 from .test_sweep import tiny_mnist
 
@@ -180,14 +181,14 @@ def test_a_stop_signal_to_any_process_ends_the_run_cleanly(tmp_path, kind, signa
 def _mount(folder: Path, options: str) -> None:
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        missing_prerequisite(f"cannot mount a tmpfs here: {done.stderr.strip()}")
 
 
 def _unmount(folder: Path) -> None:
     subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+needs_root = needs("needs root to mount a small tmpfs" if os.geteuid() != 0 else None)
 
 
 @needs_root

@@ -20,6 +20,7 @@ from fedemu.launch.hosts import Host, HostError, parse_hostfile, parse_machines,
 from fedemu.launch.machines import assign_workers
 from fedemu.server.runlog import read_events
 
+from .conftest import missing_prerequisite, needs
 from .testhosts import TestHosts, unavailable_reason
 
 
@@ -105,8 +106,7 @@ def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_p
 
 # --- real hosts ------------------------------------------------------------------------
 
-_why_not = unavailable_reason()
-needs_hosts = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
+needs_hosts = needs(unavailable_reason())
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def hosts(tmp_path_factory):
         made.up()
     except RuntimeError as exc:  # e.g. a container without permission for namespaces
         made.down()
-        pytest.skip(f"cannot create test hosts: {exc}")
+        missing_prerequisite(f"cannot create test hosts: {exc}")
     yield made
     made.down()
 

@@ -110,12 +110,43 @@ def test_updates_that_did_not_count_are_taken_back_exactly_even_a_diverged_one()
         assert total.mean().tobytes() == fresh.mean().tobytes()
 
 
-def test_threads_keep_without_waiting_for_each_other_and_the_sum_is_the_same():
+def test_threads_keep_without_waiting_for_each_other_and_the_sum_is_the_same(monkeypatch):
     import threading
 
+    from fedemu.worker import node_sums
+
+    # One pool thread stalls inside its add (a large update being summed); another
+    # thread's keep must finish meanwhile. A keep that summed under one lock shared by
+    # the threads would wait for the stalled one: then the second keep cannot finish.
+    stalled_inside, release = threading.Event(), threading.Event()
+
+    class StallingSum(ExactSum):
+        def add(self, update, n):
+            if threading.current_thread().name == "stalls":
+                stalled_inside.set()
+                release.wait(60)
+            super().add(update, n)
+
+    monkeypatch.setattr(node_sums, "ExactSum", StallingSum)
     kept = KeptUpdates()
+    stalling = threading.Thread(target=kept.keep, args=(reply(0, update_of(0, 1000)),), name="stalls")
+    stalling.start()
+    try:
+        assert stalled_inside.wait(30), "the first keep never reached its add"
+        other = threading.Thread(target=kept.keep, args=(reply(1, update_of(1, 1000)),))
+        other.start()
+        other.join(30)  # at once when threads do not wait for each other; 30 s for a loaded host
+        finished_meanwhile = not other.is_alive()
+    finally:
+        release.set()
+        stalling.join(30)
+    assert finished_meanwhile, "a thread's keep waited for another thread's add"
+    other.join(30)
+    monkeypatch.undo()
+
+    # And the sum: 50 updates kept by two threads at once equal one thread's exact sum.
     threads = [threading.Thread(target=lambda ks: [kept.keep(reply(k, update_of(k, 1000))) for k in ks], args=(ks,))
-               for ks in (range(0, 50, 2), range(1, 50, 2))]
+               for ks in (range(2, 50, 2), range(3, 50, 2))]
     for t in threads:
         t.start()
     for t in threads:
@@ -124,7 +155,7 @@ def test_threads_keep_without_waiting_for_each_other_and_the_sum_is_the_same():
     one = ExactSum()
     for k in range(50):
         one.add(update_of(k, 1000), 100)
-    assert total.mean().tobytes() == one.mean().tobytes()
+    assert total.total == 50 * 100 and total.mean().tobytes() == one.mean().tobytes()
 
 
 # --- the server's side ----------------------------------------------------------------

@@ -22,6 +22,7 @@ from fedemu.launch.slurm import Allocation, NotInAllocation, hostnames, tasks_pe
 from fedemu.launch.sweep_index import DB_FILE
 from fedemu.server.runlog import read_events
 
+from .conftest import missing_prerequisite, needs
 from .testcluster import SlurmCluster, unavailable_reason
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "slurm" / "launch.sbatch"
@@ -103,14 +104,14 @@ def test_sweep_slurm_options_go_together():
 
 # --- on a real cluster ---------------------------------------------------------------
 
-needs_cluster = pytest.mark.skipif(unavailable_reason() is not None, reason=f"no Slurm test cluster: {unavailable_reason()}")
+needs_cluster = needs(unavailable_reason() and f"no Slurm test cluster: {unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     reason = unavailable_reason()
     if reason:
-        pytest.skip(f"no Slurm test cluster: {reason}")
+        missing_prerequisite(f"no Slurm test cluster: {reason}")
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"), count=2)
     try:
         c.up()

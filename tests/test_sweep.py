@@ -314,25 +314,34 @@ def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
 
     held: dict[str, list] = {}
     overlaps: list[tuple] = []
-    lock = threading.Lock()
+    most_at_once, gave_up = 0, False
+    changed = threading.Condition()
     runner = FakeRunner()
 
     def on_hosts(config, run_dir, *, workers, stop, on_start=None, machines=None):
-        with lock:
+        nonlocal most_at_once, gave_up
+        with changed:
             mine = {h.name for h in machines.hosts}
             overlaps.extend((run_dir.name, other) for other, hs in held.items() if mine & set(hs))
             held[run_dir.name] = list(mine)
-        time.sleep(0.05)
+            most_at_once = max(most_at_once, len(held))
+            changed.notify_all()
+            # Until two points have run at once, each waits for a second: a sweep that ran
+            # them one at a time would never have two held (and would pass "no overlap").
+            # Waited for once at most: such a sweep then fails at once.
+            if not changed.wait_for(lambda: most_at_once >= 2 or gave_up, timeout=30):
+                gave_up = True
         try:
             return runner(config, run_dir, workers=workers, stop=stop, on_start=on_start)
         finally:
-            with lock:
+            with changed:
                 del held[run_dir.name]
 
     machines = Machines([Host("a"), Host("b"), Host("c")])
     counts = run(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw", on_hosts, machines=machines)
     assert counts == {"completed": 8} and len(runner.calls) == 8
-    assert overlaps == []  # two running points never shared a host
+    assert most_at_once == 2  # --parallel 2: two points ran at once
+    assert overlaps == []  # and never shared a host
 
 
 # --- real points ---------------------------------------------------------------------
