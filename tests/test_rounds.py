@@ -437,6 +437,8 @@ on_quorum_missed = "extend_once"
 [run]
 rounds = 2
 device_flops = 1e12  # training takes milliseconds: only the links decide (B = 0 is 15,000 examples)
+[network]
+transport = "message"  # an upload takes its latency (TCP's windows would take several round trips)
 [network.profiles.late]
 up = { latency_ms = 9000 }
 [network.profiles.gone]

@@ -307,8 +307,10 @@ def test_what_a_node_or_the_broker_drops_still_counts_as_taken_in(procs):
 from .test_launch import launch  # noqa: E402
 
 # Pathological non-IID MNIST (2 label shards per client), 20 clients, with everything that
-# makes a wall-clock run vary: stragglers (lognormal), message loss, on/off drop-outs.
-HARSH = ["run.clock=virtual", "data.partition=shards", "data.clients=20", "model.name=2nn", "algorithm.E=1",
+# makes a wall-clock run vary: stragglers (lognormal), packet loss (TCP retransmits it),
+# on/off drop-outs (which fail connections mid-transfer).
+HARSH = ["run.clock=virtual", "network.transport=tcp", "data.partition=shards", "data.clients=20", "model.name=2nn",
+         "algorithm.E=1",
          "algorithm.B=50", "network.default_profile=lossy", "network.profiles.lossy.latency_ms=35",
          "network.profiles.lossy.bandwidth='12Mbit'", "network.profiles.lossy.loss=0.05",
          "network.stragglers.distribution=lognormal", "network.stragglers.sigma=0.5",
@@ -357,5 +359,6 @@ def test_reruns_on_any_placement_and_under_load_are_identical(tmp_path, rule):
         assert other_events == events
         assert other_summary == summary
     rounds = [e for e in events if e["event"] == "round"]
-    assert sum(e["lost_up"] + e["lost_down"] for e in rounds) > 0  # the network did bite
+    assert sum(e["lost_up"] + e["lost_down"] for e in rounds) > 0  # the network did bite (drop-outs)
+    assert sum(e["retransmitted_bytes_up"] + e["retransmitted_bytes_down"] for e in rounds) > 0  # and its packet loss
     assert summary["emulated_s"] > 0
