@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .lifecycle import STOP_SIGNALS, child_env
+from .slurm_task import launch_address, task_identity
 
 PACKAGES = ("fedemu.node", "fedemu.server", "fedemu.worker", "fedemu.launch")
 
@@ -58,8 +59,6 @@ def _launcher_address(slurm_task: bool = False) -> str | None:
     """The address this host sees the launcher's SSH connection (or Slurm step) come
     from: an address of the launcher's machine that is routable from here."""
     if slurm_task:
-        from .slurm import launch_address
-
         return launch_address()
     words = os.environ.get("SSH_CONNECTION", "").split()
     return words[0] if words else None
@@ -79,8 +78,6 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
     report: dict = {"fedemu": fedemu_version(), "code": code_digest(), "python": sys.version.split()[0],
                     "executable": sys.executable, "cores": usable_cores(), "problems": []}
     if slurm_task:  # one report per node of the step: say which
-        from .slurm import task_identity
-
         report["node"] = task_identity()[1]
     try:
         import torch
@@ -247,8 +244,6 @@ def run_agent(slurm_task: bool = False) -> int:
         print(f"error the first line is not a launch bundle: {line[:80]!r}", flush=True)
         return 2
     if slurm_task:
-        from .slurm import task_identity
-
         bundle["indices"] = [bundle["indices"][task_identity()[0]]]
     agent = HostAgent(bundle)
     # SIGHUP/SIGTERM from sshd mean the session is gone: stop the nodes, as on EOF.

@@ -58,7 +58,7 @@ class Machines:
         return argv[:1] + self.ssh_options + argv[1:]
 
 
-def _json_line(text: str) -> dict | None:
+def last_json_line(text: str) -> dict | None:
     """The last line of ``text`` that is a JSON object (ssh may print banners first)."""
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
@@ -87,7 +87,7 @@ def preflight_host(machines: Machines, host: Host, dataset: str, cache_dir: str,
                               stdin=subprocess.DEVNULL, timeout=PREFLIGHT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"problems": [f"the preflight did not answer within {PREFLIGHT_TIMEOUT_S}s"]}
-    report = _json_line(done.stdout)
+    report = last_json_line(done.stdout)
     stderr = " | ".join(done.stderr.strip().splitlines()[-3:])
     if done.returncode == 255 and report is None:
         return {"problems": [f"unreachable over SSH: {stderr or 'ssh exited with 255'}"]}

@@ -21,13 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .hosts import Host
-from .machines import PREFLIGHT_TIMEOUT_S, Machines, MachinesRun, RemoteHost, _json_line
+from .machines import PREFLIGHT_TIMEOUT_S, Machines, MachinesRun, RemoteHost, last_json_line
 from .rundir import LaunchError
+from .slurm_task import NotInAllocation
 from .agent import code_digest, fedemu_version
-
-
-class NotInAllocation(LaunchError):
-    """``--slurm`` outside a Slurm allocation, or an allocation fedemu cannot read."""
 
 
 def tasks_per_node(text: str, variable: str = "SLURM_TASKS_PER_NODE") -> list[int]:
@@ -157,7 +154,7 @@ class SlurmRun(MachinesRun):
             raise LaunchError(f"the preflight step did not end within {PREFLIGHT_TIMEOUT_S}s; nothing was started")
         by_node: dict[str, dict] = {}
         for line in done.stdout.splitlines():
-            report = _json_line(line)
+            report = last_json_line(line)
             if report is not None and "node" in report:
                 by_node[report["node"]] = report
         errors = done.stderr.strip().splitlines()
@@ -205,16 +202,3 @@ def sys_python(machines: Machines) -> str:
     return machines.remote_python or sys.executable
 
 
-def task_identity(env: dict | None = None) -> tuple[int, str]:
-    """(SLURM_PROCID, node name) of the Slurm task this process runs in."""
-    env = os.environ if env is None else env
-    try:
-        return int(env["SLURM_PROCID"]), env.get("SLURMD_NODENAME") or os.uname().nodename
-    except (KeyError, ValueError):
-        raise NotInAllocation("not a Slurm task (SLURM_PROCID is not set); fedemu starts this itself") from None
-
-
-def launch_address(env: dict | None = None) -> str | None:
-    """The address of the host whose srun started this task, as Slurm saw it."""
-    env = os.environ if env is None else env
-    return env.get("SLURM_LAUNCH_NODE_IPADDR")

@@ -1,0 +1,124 @@
+"""The architecture as the imports draw it (docs/design.md): layers import downwards only
+(launch -> server -> worker -> node), no two modules import each other even through a
+chain or from inside a function, and the runtime (node/) needs no torch. Read from the
+source with ast, so a test of the tree itself, not of what one run imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("node", "worker", "server", "launch")  # each may import those before it
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import statement, at any depth, but those under ``if TYPE_CHECKING:`` (which
+    never run)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped]
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> fedemu modules it imports, module -> third-party top-level packages)."""
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    external: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:  # from base import name: the submodule base.name, or a name defined in base
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}".removeprefix("fedemu.") in mods else base
+                           for a in node.names]
+            for target in targets:
+                name = target.removeprefix("fedemu.")
+                if name in mods and name != mod:
+                    graph[mod].add(name)
+                elif not target.startswith("fedemu") and name.split(".")[0] not in LAYERS:
+                    external[mod].add(target.split(".")[0])
+    return graph, external
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    """The checks themselves: a planted cycle and a planted upward import are found."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert upward({"node.x": {"worker.y"}, "worker.y": {"node.x"}}) == ["node.x -> worker.y"]
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if rank[b.split(".")[0]] > rank[a.split(".")[0]])
+
+
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    return import_graph()
+
+
+def test_layers_import_downwards_only(graph):
+    assert upward(graph[0]) == []
+
+
+def test_no_module_imports_itself_through_others(graph):
+    assert cycles(graph[0]) == []
+
+
+def test_the_runtime_needs_no_torch(graph):
+    """node/ (broker, network model, runtime) runs where torch is absent or slow to import."""
+    assert {m: sorted(e) for m, e in graph[1].items() if m.startswith("node") and "torch" in e} == {}
