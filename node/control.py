@@ -38,7 +38,8 @@ Broker to node (``NODE``, from the broker only):
 =============== ============================== ==================================================
 welcome         (heartbeat_interval,           the answer to hello: liveness settings, the
                 heartbeat_timeout, t, now,     clock's kind and time scale, a first clock sample,
-                clock_id, clock, time_scale)   the broker clock's identity (holding.clock_identity)
+                emulated, clock_id, clock,     the emulated time at ``now``, the broker clock's
+                time_scale)                    identity (holding.clock_identity)
 hb              (t, now)                       the heartbeat's echo
 reply           ref, value                     the answer to whereis, stats or set_links
 unknown_node                                   this node was declared lost: it must close

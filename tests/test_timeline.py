@@ -186,6 +186,31 @@ def test_the_timeline_has_each_answered_clients_download_compute_and_upload_in_o
 
 
 @pytest.mark.mnist
+def test_on_the_wall_clock_the_timeline_is_in_one_time_the_brokers(tmp_path):
+    """Wall clock, two worker nodes: transfers are the broker's times, computations the
+    worker nodes'; each node's clock counts from the broker's emulated zero, so a
+    client's download, computation and upload follow each other on one axis (they were
+    hours apart when a node's clock was its host's monotonic clock)."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
+                           "--set", "run.clock=wall", "--set", "run.rounds=1", "--set", "network.default_profile=lte",
+                           "--set", "run.target_accuracy=0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout
+    (event,) = round_events(run_dir)
+    timeline = rows(run_dir, "timeline.csv")
+    for k in event["answered"]:
+        mine = {r["kind"]: r for r in timeline if r["client"] == str(k)}
+        download, compute, upload = mine["download"], mine["compute"], mine["upload"]
+        # Each starts after the one before ends (the held model is released when due; the
+        # reply is stamped as it is sent); slack for the clocks' reading order only.
+        assert float(download["end_s"]) <= float(compute["start_s"]) + 1e-3
+        assert float(compute["end_s"]) <= float(upload["start_s"]) + 1e-3
+        assert float(upload["end_s"]) <= event["emulated_s"] + 1e-3
+        assert float(compute["start_s"]) - float(download["end_s"]) < 30  # not another clock's origin
+
+
+@pytest.mark.mnist
 def test_the_chrome_trace_export_is_valid_trace_json_with_a_track_per_client(dropout_run, tmp_path):
     out = tmp_path / "trace.json"
     done = subprocess.run([sys.executable, "-m", "fedemu.launch", "export", "--trace", str(dropout_run), "-o",

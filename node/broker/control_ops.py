@@ -62,6 +62,8 @@ class BrokerControl:
                 # Echo and this clock: the node's first estimate of its clock offset;
                 # the clock's identity: a node on this machine needs no estimate.
                 "t": body.get("t"), "now": time.monotonic(), "clock_id": clock_identity(),  # wall
+                # The emulated time at that instant (wall clock: a node's clock counts from its zero).
+                "emulated": float(clock.now()),
                 "clock": clock.name, "time_scale": float(clock.time_scale),
             })
             return

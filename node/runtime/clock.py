@@ -61,15 +61,19 @@ class TimerRef:
 
 
 class WallClock:
-    """Emulated time = the host's monotonic clock x ``time_scale``."""
+    """Emulated time = (the host's monotonic clock - ``origin``) x ``time_scale``: the
+    broker's emulated time once its welcome set ``origin`` (the local monotonic instant
+    of the run's emulated zero), so what nodes stamp with it (a client's computation,
+    the server's deadlines) lines up with the broker's books (transfers, drop-outs)."""
 
     virtual = False
 
     def __init__(self, time_scale: float = 1.0) -> None:
         self.time_scale = time_scale
+        self.origin = 0.0
 
     def now(self) -> float:
-        return time.monotonic() * self.time_scale
+        return (time.monotonic() - self.origin) * self.time_scale
 
     def wall_seconds(self, emulated: float) -> float:
         return emulated / self.time_scale

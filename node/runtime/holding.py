@@ -68,6 +68,15 @@ class BrokerClock:
             self.shared, self.offset = True, 0.0
         self.sample(body)
 
+    def origin(self, body: dict) -> float | None:
+        """From the welcome: the local monotonic instant at which the broker's emulated
+        time was zero (None if it did not say, or no offset is known)."""
+        broker_now, emulated, scale = body.get("now"), body.get("emulated"), body.get("time_scale")
+        if self.offset is None or type(broker_now) is not float or type(emulated) is not float \
+                or type(scale) is not float or scale <= 0:
+            return None
+        return broker_now - emulated / scale - self.offset
+
     def sample(self, body: dict) -> None:
         """A round trip to the broker (our send time echoed, the broker's clock): its
         offset is known to within half the round trip, so the shortest recent wins."""

@@ -29,7 +29,7 @@ class NodeControl:
             return
         if op == "welcome":
             self._broker_clock.welcome(body)
-            self._set_clock(body.get("clock", "wall"), body.get("time_scale", 1.0))
+            self._set_clock(body.get("clock", "wall"), body.get("time_scale", 1.0), self._broker_clock.origin(body))
             self._welcomed.set()
         elif op == "advance":
             # Virtual time: the clock is at `now`; the broker's notices for this instant

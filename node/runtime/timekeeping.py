@@ -46,13 +46,16 @@ class Timekeeping:
         self._report_due = True
         self._batch_left = 0
 
-    def _set_clock(self, kind: Any, time_scale: Any) -> None:
-        """The run's clock, as the broker's welcome says (before any process exists)."""
+    def _set_clock(self, kind: Any, time_scale: Any, origin: float | None = None) -> None:
+        """The run's clock, as the broker's welcome says (before any process exists);
+        ``origin``: on the wall clock, the local monotonic instant of emulated zero."""
         if kind == "virtual":
             self.clock = VirtualClock()
             self._report_due = True
         elif kind == "wall" and type(time_scale) is float and time_scale > 0:
             self.clock.time_scale = time_scale
+            if origin is not None:
+                self.clock.origin = origin
         else:
             raise ValueError(f"unknown clock {kind!r} (time scale {time_scale!r})")
 
