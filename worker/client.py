@@ -25,6 +25,7 @@ from .protocol import (
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
+from .cohorts import COHORT_CHOICES, CohortTrainer, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
@@ -71,9 +72,11 @@ class Client(Behaviour):
 
     def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
                  stragglers: StragglerSpec | StragglerGroups = StragglerSpec(), compute: ComputeModel = ComputeModel(),
-                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None):
+                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None,
+                 trainer: CohortTrainer | None = None):
         self.client_id = client_id
         self.kept = kept  # the node's kept updates (aggregation on the nodes)
+        self.trainer = trainer  # the node's cohort trainer (run.cohort = "auto")
         self.indices = indices
         self.data = data
         self.model = model
@@ -110,6 +113,8 @@ class Client(Behaviour):
         body = msg.body
         if isinstance(body, TrainRequest):
             self._train_request(proc, msg.sender, body)
+        elif isinstance(body, TrainAlone):
+            self._train_request(proc, body.sender, body.request, alone=True)
         elif isinstance(body, Cancel):
             held = self._held_replies.pop(body.round, None)
             if held is not None:
@@ -178,7 +183,7 @@ class Client(Behaviour):
 
     # --- synchronous rounds ---------------------------------------------------------------
 
-    def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
+    def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest, alone: bool = False) -> None:
         went_offline = self._offline_since(proc)
 
         def cancels_this_round(body: object) -> bool:
@@ -190,37 +195,70 @@ class Client(Behaviour):
         def unwanted() -> bool:
             return went_offline() or cancelled()
 
+        task = tasks.get(request.task)
+        if not alone and self.trainer is not None and self.trainer.takes(task, self, request):
+            # Trained with the node's other clients of this instant (worker/cohorts.py),
+            # which finishes it through cohort_done.
+            self.trainer.submit(Job(self, proc, sender, request, went_offline, cancelled))
+            return
         try:
             with training.stop_when(unwanted):
-                reply, hold = self._run_task(request)
+                reply, hold = self._run_task(task, request)
                 if went_offline():
                     raise training.TrainingStopped
         except training.TrainingStopped:
-            self.trainings_stopped += 1
-            log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
-                     "the round closed without it" if cancelled() else "it went offline")
+            self._stopped_training(request, cancelled())
             return
+        self._send_reply(proc, sender, request, reply, hold)
+
+    def _stopped_training(self, request: TrainRequest, cancelled: bool) -> None:
+        self.trainings_stopped += 1
+        log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
+                 "the round closed without it" if cancelled else "it went offline")
+
+    def _send_reply(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest, reply: TrainReply,
+                    hold: float) -> None:
         if request.keep_at_node and reply.update is not None and self.kept is not None:
             self.kept.keep(reply)
         # The device's compute time (modelled, or what real time has not covered yet).
         held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
-    def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
-        """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
-        started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
-        task = tasks.get(request.task)
-        model = self._cache.get(self.model)
-        models.set_flat(model, request.weights)
+    def cohort_done(self, job: Job, task: type[tasks.LocalTask], output: tasks.TaskOutput | None,
+                    measured_s: float, cpu_s: float) -> None:
+        """The node's trainer has run this client's job in a cohort: ``output`` is what its
+        task gave it (None: its stop condition turned true), ``measured_s`` and ``cpu_s``
+        its share of the computation. Finished as _train_request finishes its own."""
+        if output is None or job.went_offline():
+            self._stopped_training(job.request, job.cancelled())
+            return
+        reply, hold = self._reply(task, job.request, tasks.checked(task, output), measured_s, cpu_s)
+        self._send_reply(job.proc, job.sender, job.request, reply, hold)
+
+    def task_input(self, task: type[tasks.LocalTask], request: TrainRequest, model: torch.nn.Module
+                   ) -> tasks.TaskInput:
+        """What ``task`` works with for ``request`` (the weights are loaded by the caller)."""
         x, y = self._data()
-        result = tasks.checked(task, task().run(tasks.TaskInput(
+        return tasks.TaskInput(
             model=model, model_spec=self.model, x=x, y=y, request=request,
             generator=client_generator(request.seed, request.round, self.client_id), dataset=self.data.dataset,
             client=self.client_id, iterations=self.iterations, state=self.task_state,
-            anchor=self._anchors.get(self.model) if task.needs_anchor else None)))
+            anchor=self._anchors.get(self.model) if task.needs_anchor else None)
+
+    def _run_task(self, task: type[tasks.LocalTask], request: TrainRequest) -> tuple[TrainReply, float]:
+        """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
+        started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
+        model = self._cache.get(self.model)
+        models.set_flat(model, request.weights)
+        result = tasks.checked(task, task().run(self.task_input(task, request, model)))
+        measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
+        return self._reply(task, request, result, measured_s, cpu_s)
+
+    def _reply(self, task: type[tasks.LocalTask], request: TrainRequest, result: tasks.TaskOutput,
+               measured_s: float, cpu_s: float) -> tuple[TrainReply, float]:
+        """The reply to ``request`` carrying ``result``, and how long to hold it back."""
         self.iterations += result.steps
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
         if self._cache.device.type != "cpu":
             cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
         compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
@@ -417,20 +455,29 @@ def host_clients(
     compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
     device: torch.device = torch.device("cpu"),
+    cohort: str = "off",
 ) -> None:
     """Spawn this node's clients (training on ``device``, shared by all of them), register
     their names, and report to the server.
     With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
-    times per client, and tells the server its new pid."""
+    times per client, and tells the server its new pid. With ``cohort = "auto"`` the
+    clients that have work in hand at once train together (worker/cohorts.py)."""
+    if cohort not in COHORT_CHOICES:
+        raise ValueError(f"cohort must be one of {COHORT_CHOICES}, got {cohort!r}")
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
     cache, anchors = _ModelCache(device), _ModelCache(device)
     kept = KeptUpdates()
     sums = node.spawn_behaviour(NodeSums(kept))
+    trainer = None
+    if cohort == "auto":
+        trainer = CohortTrainer(cache)
+        trainer.pid = node.spawn_behaviour(trainer)
 
     def start_client(k: int) -> Pid:
-        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors, kept))
+        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors, kept,
+                                           trainer))
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)
