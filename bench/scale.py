@@ -118,8 +118,10 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server") -> dict:
+def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server",
+        cohort: str = "auto") -> dict:
     command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), "--set", f"run.aggregation={aggregation}",
+               "--set", f"run.cohort={cohort}",
                "--set", f"data.clients={population}", "--set", f"algorithm.C={per_round / population!r}",
                "--set", "data.partition=sample", "--set", f"data.examples_per_client={examples}",
                "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0"]
@@ -172,6 +174,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     round_wall = sum(e["round_s"] for e in timed)
     return {
         "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
+        "cohort": cohort,
         "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
         "training_s": round(training, 3), "rest_s": round(median_round - training, 3),
         "training_cpu_s": round(training_cpu, 3), "rest_cpu_s": round(all_cpu - training_cpu, 3),
