@@ -204,7 +204,7 @@ class Client(Behaviour):
             return
         try:
             with training.stop_when(unwanted):
-                reply, hold = self._run_task(task, request)
+                reply, hold = self._run_task(request)
                 if went_offline():
                     raise training.TrainingStopped
         except training.TrainingStopped:
@@ -246,9 +246,10 @@ class Client(Behaviour):
             client=self.client_id, iterations=self.iterations, state=self.task_state,
             anchor=self._anchors.get(self.model) if task.needs_anchor else None)
 
-    def _run_task(self, task: type[tasks.LocalTask], request: TrainRequest) -> tuple[TrainReply, float]:
+    def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
         """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
+        task = tasks.get(request.task)
         model = self._cache.get(self.model)
         models.set_flat(model, request.weights)
         result = tasks.checked(task, task().run(self.task_input(task, request, model)))

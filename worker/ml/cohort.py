@@ -60,10 +60,12 @@ from .training import _FULL_PASS_CHUNK, TrainResult, _check_local_data, _plain_m
 
 aten = torch.ops.aten
 
-# Stacked weights, gradients and activations of one chunk of members: on the CPU a
-# quarter of a GiB holds 80 members of the 2NN with 600 examples each (or 250 of one
-# example) and 12 of the CNN, which is past where batching pays; a GPU takes a quarter
-# of its free memory.
+# Stacked weights and activations of one chunk of members. On the CPU, 30 MiB keeps a
+# chunk's weights under glibc's mmap threshold as worker nodes set it (32 MiB,
+# lifecycle.retain_freed_memory), so each round reuses freed memory instead of faulting
+# in fresh pages (which cost more than the training of one-example clients); it holds
+# 34-38 members of the 2NN, 2 of the CNN with minibatches of 10. A GPU takes a quarter of
+# its free memory.
 CPU_MEMORY_BYTES = 30 * 2**20
 GPU_MEMORY_FRACTION = 0.25
 
@@ -508,8 +510,10 @@ def train(model: nn.Module, members: list[Member], dataset: Dataset,
     device = device_of(model)
     budget = memory_bytes if memory_bytes is not None else memory_budget(device)
     results: list[TrainResult | None] = [None] * len(members)
+    # Per member: its weights, and its start for the proximal term; gradients are made a
+    # block of members at a time (_backward), not per member.
     for chunk in chunks(plan, members, lambda m: min(m.batch_size or len(m.y), len(m.y)),
-                        3 if any(m.prox_mu for m in members) else 2, budget):
+                        2 if any(m.prox_mu for m in members) else 1, budget):
         for i, result in zip(chunk, _train_chunk(plan, [members[i] for i in chunk], dataset, device)):
             results[i] = result
     return results

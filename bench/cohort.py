@@ -1,0 +1,205 @@
+"""Cohort training (run.cohort): whole jobs under fedemu with cohorts on and off, against a
+plain PyTorch FedAvg loop over a two-process pool, alternated in one run.
+
+    python bench/cohort.py [--jobs 2nn cnn-e5] [--rounds 20] [--cnn-rounds 3] [--repeats 3] [--json out.json]
+
+Jobs: ``2nn`` is the default job (MNIST, McMahan et al.'s 2NN, IID over 100 clients,
+C = 0.1, E = 1, B = 10, one evaluation of the 10,000 test images a round); ``cnn-e5`` the
+same with their CNN and E = 5. Each repeat runs, one after the other: the plain loop,
+``fedemu launch`` with ``run.cohort = "auto"``, and with ``"off"`` (the order turns by one
+each repeat, so a drift of a shared machine's load does not land on one variant).
+
+The plain loop is what one would write by hand for two cores: the main process holds the
+model and the test set, a ``multiprocessing`` pool of two processes (one torch thread each,
+as fedemu's worker nodes in virtual time) trains a round's clients, half each, from the
+model sent to them, and the main process averages (n_k-weighted) and evaluates. It uses
+fedemu's selection seed, shards, ClientUpdate and shuffling seeds, so both sides train the
+same models: the final accuracies are printed side by side.
+
+Figures: the job's wall time, launch to exit, as a user times it (start-up included), and
+the median round over rounds 2..R (fedemu's ``round_s``; the plain loop times the same
+span); the ratio is fedemu's over the plain loop's, each the median over the repeats. The
+1-minute load average before and after says how busy the machine was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUN_TIMEOUT_S = 3600
+
+JOBS = {
+    "2nn": [],
+    "cnn-e5": ["model.name=cnn", "algorithm.E=5"],
+}
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+# --- the plain loop (a subprocess: `cohort.py --plain-loop JOB`) ------------------------------
+
+_POOL: dict = {}  # each pool process's data and model, set by _init
+
+
+def _init(spec, images, labels, shards, algo, seed) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    _POOL.update(model=spec.build(), images=images, labels=labels, shards=shards, algo=algo, seed=seed)
+
+
+def _train(args):
+    from fedemu.worker.client import client_generator
+    from fedemu.worker.ml import models, training
+
+    k, round_, weights, iteration = args
+    pool, algo = _POOL, _POOL["algo"]
+    models.set_flat(pool["model"], weights)
+    result = training.client_update(
+        pool["model"], pool["images"][pool["shards"][k]], pool["labels"][pool["shards"][k]],
+        epochs=algo["E"], batch_size=algo["B"], lr=algo["lr"], lr_decay=algo["lr_decay"],
+        start_iteration=iteration, generator=client_generator(pool["seed"], round_, k))
+    return k, result.weights, result.num_samples, result.steps
+
+
+def plain_loop(job: str, rounds: int) -> dict:
+    import multiprocessing
+
+    import numpy as np
+
+    from fedemu.launch import config as configuration
+    from fedemu.node import streams
+    from fedemu.server.strategies import selected_per_round, weighted_average
+    from fedemu.worker.ml import models, split, training
+
+    import torch
+
+    started = time.monotonic()
+    torch.set_num_threads(1)  # the server's evaluation in fedemu's virtual time has one thread too
+    config = configuration.load(None, [f"run.rounds={rounds}", *JOBS[job]])
+    run, data_cfg, algo = config["run"], config["data"], config["algorithm"]
+    seed, clients = run["seed"], data_cfg["clients"]
+    run_data, shards = split.run_data(configuration.data_spec(config))  # fedemu's own shards
+    # In memory, as a plain script would hold them (fedemu's nodes index the memory map).
+    images, labels = np.array(run_data.train_x), np.array(run_data.train_y)
+    test_images, test_labels = np.array(run_data.test_x), np.array(run_data.test_y)
+    shards = [np.asarray(shard) for shard in shards]
+    spec = configuration.model_spec(config)
+    m = selected_per_round(algo["C"], clients)
+    iterations = [0] * clients
+    round_seconds, accuracy = [], None
+    # Forked before this process runs torch (a fork after torch's thread pools start is
+    # unsafe); the pool shares the data set's pages with it, as a hand-written script would.
+    with multiprocessing.get_context("fork").Pool(2, _init, (spec, images, labels, shards, algo, seed)) as pool:
+        model = spec.build(seed=seed)  # the server's initial weights
+        weights = models.get_flat(model)
+        for round_ in range(1, rounds + 1):
+            began = time.monotonic()
+            selected = sorted(int(k) for k in streams.generator(seed, "selection", round_).choice(
+                list(range(clients)), size=m, replace=False))  # the round engine's choice
+            half = -(-len(selected) // 2)
+            results = pool.map(_train, [(k, round_, weights, iterations[k]) for k in selected], chunksize=half)
+            for k, _, _, steps in results:
+                iterations[k] += steps
+            weights = weighted_average([r[1] for r in results], [r[2] for r in results])
+            models.set_flat(model, weights)
+            accuracy, _ = training.evaluate(model, test_images, test_labels)
+            round_seconds.append(time.monotonic() - began)
+    return {"round_s": round_seconds, "accuracy": accuracy, "inside_s": time.monotonic() - started}
+
+
+def run_plain(job: str, rounds: int) -> dict:
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, __file__, "--plain-loop", job, "--rounds", str(rounds)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=RUN_TIMEOUT_S)
+    if out.returncode != 0:
+        raise RuntimeError(f"the plain loop failed:\n{out.stderr[-3000:]}")
+    return {**json.loads(out.stdout), "wall_s": time.monotonic() - began}
+
+
+def run_fedemu(job: str, rounds: int, cohort: str, run_dir: Path) -> dict:
+    from fedemu.server.runlog import read_events
+
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--set", f"run.rounds={rounds}",
+            "--set", "run.target_accuracy=0", "--set", f"run.cohort={cohort}"]
+    for override in JOBS[job]:
+        argv += ["--set", override]
+    began = time.monotonic()
+    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
+    wall = time.monotonic() - began
+    rounds_seen = [e for e in read_events(run_dir) if e["event"] == "round"]
+    if out.returncode != 0 or len(rounds_seen) != rounds:
+        raise RuntimeError(f"fedemu launch failed ({out.returncode}):\n{out.stdout[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"round_s": [e["round_s"] for e in rounds_seen], "accuracy": rounds_seen[-1]["accuracy"], "wall_s": wall,
+            "weights_sha256": summary["weights_sha256"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=["2nn", "cnn-e5"])
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the 2NN job (>= 2)")
+    parser.add_argument("--cnn-rounds", type=int, default=3, help="rounds of the CNN job (>= 2; ~1 min a round)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plain-loop", choices=sorted(JOBS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain_loop:
+        json.dump(plain_loop(args.plain_loop, args.rounds), sys.stdout)
+        return
+    variants = ["plain", "auto", "off"]
+    results = []
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="fedemu-cohort-") as tmp:
+        for job in args.jobs:
+            rounds = args.cnn_rounds if job.startswith("cnn") else args.rounds
+            runs: dict[str, list[dict]] = {v: [] for v in variants}
+            for rep in range(args.repeats):
+                for variant in variants[rep % 3:] + variants[:rep % 3]:
+                    print(f"[{job} {rep + 1}/{args.repeats}] {variant} ({rounds} rounds; load "
+                          f"{load_average():.1f}) ...", file=sys.stderr, flush=True)
+                    if variant == "plain":
+                        runs[variant].append(run_plain(job, rounds))
+                    else:
+                        runs[variant].append(run_fedemu(job, rounds, variant, Path(tmp) / f"{job}-{variant}-{rep}"))
+            summary = {"job": job, "rounds": rounds}
+            for variant, done in runs.items():
+                summary[variant] = {
+                    "wall_s": [round(r["wall_s"], 2) for r in done],
+                    "median_wall_s": round(statistics.median(r["wall_s"] for r in done), 2),
+                    "median_round_s": round(statistics.median(s for r in done for s in r["round_s"][1:]), 3),
+                    "accuracy": done[0]["accuracy"],
+                }
+            hashes = {r["weights_sha256"] for v in ("auto", "off") for r in runs[v]}
+            summary["same_weights_on_and_off"] = len(hashes) == 1
+            results.append(summary)
+            if args.json:
+                args.json.write_text(json.dumps({"results": results, "load_average_before": load_before}, indent=2))
+    load_after = load_average()
+    print(f"cohort training: fedemu launch (2 worker nodes, virtual time) with run.cohort auto / off against a "
+          f"plain FedAvg loop over a two-process pool; {args.repeats} alternated repeats; {os.cpu_count()} cores; "
+          f"1-min load average {load_before:.1f} before, {load_after:.1f} after")
+    print("| job | rounds | plain: job s (round s) | cohort auto: job s (round s) | cohort off: job s (round s) "
+          "| auto / plain | off / plain | accuracy plain / fedemu | same weights on/off |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for r in results:
+        cell = lambda v: f"{r[v]['median_wall_s']} ({r[v]['median_round_s']})"
+        print(f"| {r['job']} | {r['rounds']} | {cell('plain')} | {cell('auto')} | {cell('off')} "
+              f"| {r['auto']['median_wall_s'] / r['plain']['median_wall_s']:.2f} "
+              f"| {r['off']['median_wall_s'] / r['plain']['median_wall_s']:.2f} "
+              f"| {r['plain']['accuracy']:.4f} / {r['auto']['accuracy']:.4f} | {r['same_weights_on_and_off']} |")
+    print("each job s is the median over the repeats (all of them in the JSON); round s the median of rounds "
+          "2..R over all repeats")
+
+
+if __name__ == "__main__":
+    main()
