@@ -2,7 +2,8 @@
 batched computation, and each client's update, loss and step count are bit for bit what
 it computes alone: FedAvg, FedProx and FSVRG's two tasks, clients of unequal sizes, a
 client stopping part-way; models that cannot be batched train one by one and the node
-says so; in real runs, the same events and weights as with cohorts off."""
+says so; in real runs (FedAvg with drop-outs, FedProx, FSVRG, CO-OP), the same events
+and weights as with cohorts off."""
 from __future__ import annotations
 
 import json
@@ -329,6 +330,9 @@ RUNS = {
     "fedprox": ["--set", "algorithm.name=fedprox", "--set", "algorithm.mu=0.1", "--set", "data.partition=lognormal"],
     "fsvrg": ["--set", "algorithm.name=fsvrg", "--set", "algorithm.C=1.0", "--set", "data.partition=lognormal",
               "--set", "run.rounds=2"],
+    # An asynchronous rule: every client starts at once (one cohort a node), then trains alone or in small cohorts.
+    "coop": ["--set", "algorithm.name=coop", "--set", "run.max_uploads_per_client=3", "--set", "run.rounds=1000",
+             "--set", "data.partition=lognormal"],
 }
 
 

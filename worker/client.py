@@ -16,7 +16,7 @@ import torch
 from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
-from .ml import models, training
+from .ml import cohort, models, training
 from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
@@ -26,7 +26,7 @@ from .protocol import (
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
-from .cohorts import COHORT_CHOICES, CohortTrainer, Job, TrainAlone
+from .cohorts import COHORT_CHOICES, CohortTrainer, Failed, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
@@ -115,7 +115,12 @@ class Client(Behaviour):
         if isinstance(body, TrainRequest):
             self._train_request(proc, msg.sender, body)
         elif isinstance(body, TrainAlone):
-            self._train_request(proc, body.sender, body.request, alone=True)
+            if body.request is None:
+                self._update_alone(proc, self._offline_since(proc))
+            else:
+                self._train_request(proc, body.sender, body.request, alone=True)
+        elif isinstance(body, Failed):
+            raise body.error
         elif isinstance(body, Cancel):
             held = self._held_replies.pop(body.round, None)
             if held is not None:
@@ -344,6 +349,13 @@ class Client(Behaviour):
         self._untrained = self._weights
         self._updates += 1
         self._trainings += 1
+        if self.trainer is not None and self.trainer.takes_async(self):
+            # With the node's other clients training now (an asynchronous rule's start).
+            self.trainer.submit(Job(self, proc, self._server, None, went_offline, _never))
+            return
+        self._update_alone(proc, went_offline)
+
+    def _update_alone(self, proc: BehaviourProcess, went_offline) -> None:
         try:
             with training.stop_when(went_offline):
                 self._local_update()
@@ -352,6 +364,30 @@ class Client(Behaviour):
         except training.TrainingStopped:
             self._lose_local_update("during training")
             return
+        self._after_local_update(proc)
+
+    def async_member(self, job: Job) -> cohort.Member:
+        """This client's local update (``_local_update``) as a cohort's member."""
+        start = self._async
+        x, y = self._data()
+        return cohort.Member(x=x, y=y, start=self._weights, stop=job.went_offline,
+                             generator=client_generator(start.seed, self._updates, self.client_id),
+                             epochs=start.epochs, batch_size=start.batch_size, lr=start.lr, lr_decay=start.lr_decay,
+                             start_iteration=self.iterations)
+
+    def async_done(self, job: Job, result: training.TrainResult | None, measured_s: float, cpu_s: float) -> None:
+        """The node's trainer has run this client's local update in a cohort (None: it
+        stopped); it goes on as after its own."""
+        if result is None or job.went_offline():
+            self._lose_local_update("during training")
+            return
+        self.iterations += result.steps
+        self._weights, self._loss = result.weights, result.train_loss
+        self._measured = (measured_s, cpu_s)
+        self._after_local_update(job.proc)
+
+    def _after_local_update(self, proc: BehaviourProcess) -> None:
+        """What follows a local update: CO-OP asks the server's age, the others upload."""
         start = self._async
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
         measured_s, cpu_s = self._measured
@@ -429,6 +465,10 @@ class Client(Behaviour):
             proc.send(proc.pid, TrainAgain())
         else:
             self._request(proc, self._upload(self._cache.get(self.model), compute_s=0.0))
+
+
+def _never() -> bool:
+    return False
 
 
 def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec,

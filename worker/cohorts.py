@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 from fedemu.node import Behaviour, BehaviourProcess, Message, Pid
 
 from . import tasks
+from .ml import cohort
 from .protocol import TrainRequest
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedemu.worker")
 
 COHORT_CHOICES = ("auto", "off")
+ASYNC = "async"  # an asynchronous rule's local update (a job without a request)
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Job:
     client: Client
     proc: BehaviourProcess  # the client's process: the reply leaves from it
     sender: Pid
-    request: TrainRequest
+    request: TrainRequest | None  # None: an asynchronous rule's local update
     went_offline: Callable[[], bool]  # since the request arrived
     cancelled: Callable[[], bool]  # the round closed without it (a Cancel waits in its mailbox)
 
@@ -57,12 +59,21 @@ class Job:
 
 @dataclass
 class TrainAlone:
-    """The trainer's word to a client (handed, never sent): run this request on your own.
-    For a cohort whose computation failed: each client then meets its own error, as it
-    would have, and crashes with it."""
+    """The trainer's word to a client (handed, never sent): run this request (None: your
+    asynchronous local update) on your own. For a cohort whose computation failed: each
+    client then meets its own error, as it would have, and crashes with it."""
 
     sender: Pid
-    request: TrainRequest
+    request: TrainRequest | None
+
+
+@dataclass
+class Failed:
+    """The trainer's word to a client whose work it computed but could not finish (its
+    reply cannot be made or sent): the client raises ``error``, and crashes with it as
+    it would have training alone."""
+
+    error: BaseException
 
 
 class CohortTrainer(Behaviour):
@@ -80,14 +91,26 @@ class CohortTrainer(Behaviour):
 
     def takes(self, task: type[tasks.LocalTask], client: Client, request: TrainRequest) -> bool:
         """Whether ``request``'s work can run in a cohort; if not, why is logged once."""
-        why = task.cohort_problem(request, self.cache.get(client.model), client.data.dataset)
+        return self._allowed(f"task {tasks.reference(task)}",
+                             task.cohort_problem(request, self.cache.get(client.model), client.data.dataset))
+
+    def _allowed(self, work: str, why: str | None) -> bool:
         if why is None:
             return True
-        reason = f"{tasks.reference(task)}: {why}"
+        reason = f"{work}: {why}"
         if reason not in self._said:
             self._said.add(reason)
-            log.info("clients train one by one for task %s", reason)
+            log.info("clients train one by one for %s", reason)
         return False
+
+    def takes_async(self, client: Client) -> bool:
+        """Whether an asynchronous rule's local update (plain SGD from the client's own
+        weights) can run in a cohort; if not, why is logged once."""
+        spec = client._async.compression
+        why = ("a structured update trains each client in a restricted space of its own"
+               if spec and spec.get("structured", "none") != "none"
+               else cohort.problem(self.cache.get(client.model), client.data.dataset))
+        return self._allowed("asynchronous local update", why)
 
     def submit(self, job: Job) -> None:
         job.proc.hand(self.pid, job)
@@ -112,17 +135,21 @@ class CohortTrainer(Behaviour):
     def _run(self, proc: BehaviourProcess, jobs: list[Job]) -> None:
         groups: dict[tuple, list[Job]] = {}
         for job in jobs:
-            groups.setdefault((job.request.task, job.client.model), []).append(job)
+            groups.setdefault((job.request.task if job.request else ASYNC, job.client.model), []).append(job)
         for (name, spec), group in groups.items():
             group.sort(key=lambda job: job.client.client_id)
-            task = tasks.get(name)
             model = self.cache.get(spec)
             started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
             try:
-                inputs = [job.client.task_input(task, job.request, model) for job in group]
-                outputs = task().run_cohort(inputs, [job.unwanted for job in group])
+                if name == ASYNC:
+                    members = [job.client.async_member(job) for job in group]
+                    outputs = cohort.train(model, members, group[0].client.data.dataset)
+                else:
+                    task = tasks.get(name)
+                    inputs = [job.client.task_input(task, job.request, model) for job in group]
+                    outputs = task().run_cohort(inputs, [job.unwanted for job in group])
             except Exception:
-                log.exception("a cohort of %d clients for task %s failed; each trains alone", len(group), name)
+                log.exception("a cohort of %d clients for %s failed; each trains alone", len(group), name)
                 for job in group:
                     proc.hand(job.proc.pid, TrainAlone(job.sender, job.request))
                 continue
@@ -138,8 +165,9 @@ class CohortTrainer(Behaviour):
                 if not job.proc.alive:
                     continue
                 try:
-                    job.client.cohort_done(job, task, output, measured_s, cpu_s)
-                except Exception:  # its output cannot be sent: its client meets the error alone
-                    log.exception("client %d's share of a cohort cannot be sent; it trains alone",
-                                  job.client.client_id)
-                    proc.hand(job.proc.pid, TrainAlone(job.sender, job.request))
+                    if name == ASYNC:
+                        job.client.async_done(job, output, measured_s, cpu_s)
+                    else:
+                        job.client.cohort_done(job, task, output, measured_s, cpu_s)
+                except Exception as exc:  # the client crashes with it, as it would have alone
+                    proc.hand(job.proc.pid, Failed(exc))
