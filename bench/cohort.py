@@ -16,16 +16,18 @@ model sent to them, and the main process averages (n_k-weighted) and evaluates. 
 fedemu's selection seed, shards, ClientUpdate and shuffling seeds, so both sides train the
 same models: the final accuracies are printed side by side.
 
-Figures: the job's wall time, launch to exit, as a user times it (start-up included), and
-the median round over rounds 2..R (fedemu's ``round_s``; the plain loop times the same
-span); the ratio is fedemu's over the plain loop's, each the median over the repeats. The
-1-minute load average before and after says how busy the machine was.
+Figures: the job's wall time, launch to exit, as a user times it (start-up included), the
+CPU seconds of all its processes (what a loaded machine does not stretch), and the median
+round over rounds 2..R (fedemu's ``round_s``; the plain loop times the same span); the
+ratios are fedemu's over the plain loop's, each the median over the repeats. The 1-minute
+load average before and after says how busy the machine was.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +45,13 @@ JOBS = {
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of every finished descendant so far: a job's own work,
+    whatever else the machine runs (a loaded machine stretches wall time, not this)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # --- the plain loop (a subprocess: `cohort.py --plain-loop JOB`) ------------------------------
@@ -118,12 +127,12 @@ def plain_loop(job: str, rounds: int) -> dict:
 
 
 def run_plain(job: str, rounds: int) -> dict:
-    began = time.monotonic()
+    began, cpu = time.monotonic(), children_cpu_s()
     out = subprocess.run([sys.executable, __file__, "--plain-loop", job, "--rounds", str(rounds)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=RUN_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(f"the plain loop failed:\n{out.stderr[-3000:]}")
-    return {**json.loads(out.stdout), "wall_s": time.monotonic() - began}
+    return {**json.loads(out.stdout), "wall_s": time.monotonic() - began, "cpu_s": children_cpu_s() - cpu}
 
 
 def run_fedemu(job: str, rounds: int, cohort: str, run_dir: Path) -> dict:
@@ -133,15 +142,15 @@ def run_fedemu(job: str, rounds: int, cohort: str, run_dir: Path) -> dict:
             "--set", "run.target_accuracy=0", "--set", f"run.cohort={cohort}"]
     for override in JOBS[job]:
         argv += ["--set", override]
-    began = time.monotonic()
+    began, cpu = time.monotonic(), children_cpu_s()
     out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
-    wall = time.monotonic() - began
+    wall, cpu = time.monotonic() - began, children_cpu_s() - cpu
     rounds_seen = [e for e in read_events(run_dir) if e["event"] == "round"]
     if out.returncode != 0 or len(rounds_seen) != rounds:
         raise RuntimeError(f"fedemu launch failed ({out.returncode}):\n{out.stdout[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"round_s": [e["round_s"] for e in rounds_seen], "accuracy": rounds_seen[-1]["accuracy"], "wall_s": wall,
-            "weights_sha256": summary["weights_sha256"]}
+            "cpu_s": cpu, "weights_sha256": summary["weights_sha256"]}
 
 
 def main() -> None:
@@ -176,6 +185,8 @@ def main() -> None:
                 summary[variant] = {
                     "wall_s": [round(r["wall_s"], 2) for r in done],
                     "median_wall_s": round(statistics.median(r["wall_s"] for r in done), 2),
+                    "cpu_s": [round(r["cpu_s"], 2) for r in done],
+                    "median_cpu_s": round(statistics.median(r["cpu_s"] for r in done), 2),
                     "median_round_s": round(statistics.median(s for r in done for s in r["round_s"][1:]), 3),
                     "accuracy": done[0]["accuracy"],
                 }
@@ -188,17 +199,19 @@ def main() -> None:
     print(f"cohort training: fedemu launch (2 worker nodes, virtual time) with run.cohort auto / off against a "
           f"plain FedAvg loop over a two-process pool; {args.repeats} alternated repeats; {os.cpu_count()} cores; "
           f"1-min load average {load_before:.1f} before, {load_after:.1f} after")
-    print("| job | rounds | plain: job s (round s) | cohort auto: job s (round s) | cohort off: job s (round s) "
-          "| auto / plain | off / plain | accuracy plain / fedemu | same weights on/off |")
+    print("| job | rounds | plain: job s / CPU s (round s) | cohort auto: job s / CPU s (round s) | cohort off: "
+          "job s / CPU s (round s) | auto / plain: wall, CPU | off / plain: wall, CPU | accuracy plain / fedemu "
+          "| same weights on/off |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     for r in results:
-        cell = lambda v: f"{r[v]['median_wall_s']} ({r[v]['median_round_s']})"
+        cell = lambda v: f"{r[v]['median_wall_s']} / {r[v]['median_cpu_s']} ({r[v]['median_round_s']})"
+        ratio = lambda v: (f"{r[v]['median_wall_s'] / r['plain']['median_wall_s']:.2f}, "
+                           f"{r[v]['median_cpu_s'] / r['plain']['median_cpu_s']:.2f}")
         print(f"| {r['job']} | {r['rounds']} | {cell('plain')} | {cell('auto')} | {cell('off')} "
-              f"| {r['auto']['median_wall_s'] / r['plain']['median_wall_s']:.2f} "
-              f"| {r['off']['median_wall_s'] / r['plain']['median_wall_s']:.2f} "
+              f"| {ratio('auto')} | {ratio('off')} "
               f"| {r['plain']['accuracy']:.4f} / {r['auto']['accuracy']:.4f} | {r['same_weights_on_and_off']} |")
-    print("each job s is the median over the repeats (all of them in the JSON); round s the median of rounds "
-          "2..R over all repeats")
+    print("job s: launch to exit, the median over the repeats (all of them in the JSON); CPU s: user + system of "
+          "every process of the job; round s: the median of rounds 2..R over all repeats")
 
 
 if __name__ == "__main__":
