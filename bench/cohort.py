@@ -2,6 +2,7 @@
 plain PyTorch FedAvg loop over a two-process pool, alternated in one run.
 
     python bench/cohort.py [--jobs 2nn cnn-e5] [--rounds 20] [--cnn-rounds 3] [--repeats 3] [--json out.json]
+    python bench/cohort.py --engine [--repeats 3]     # the batched computation alone
 
 Jobs: ``2nn`` is the default job (MNIST, McMahan et al.'s 2NN, IID over 100 clients,
 C = 0.1, E = 1, B = 10, one evaluation of the 10,000 test images a round); ``cnn-e5`` the
@@ -39,7 +40,9 @@ RUN_TIMEOUT_S = 3600
 
 JOBS = {
     "2nn": [],
-    "cnn-e5": ["model.name=cnn", "algorithm.E=5"],
+    # No deadline: at the default 1 GFLOP/s a client's five epochs are charged about 220 emulated s,
+    # past the default 60 s, and every reply would come too late.
+    "cnn-e5": ["model.name=cnn", "algorithm.E=5", "algorithm.deadline_s=0"],
 }
 
 
@@ -153,6 +156,60 @@ def run_fedemu(job: str, rounds: int, cohort: str, run_dir: Path) -> dict:
             "cpu_s": cpu, "weights_sha256": summary["weights_sha256"]}
 
 
+# --- the computation alone (`cohort.py --engine`) --------------------------------------------
+
+ENGINE_CASES = [  # (model, clients, examples each, B, E)
+    ("2nn", 500, 1, 10, 1),
+    ("2nn", 5, 600, 10, 1),
+    ("2nn", 50, 600, 10, 1),
+    ("cnn", 4, 100, 10, 1),
+]
+
+
+def engine(repeats: int) -> list[dict]:
+    """CPU milliseconds a client of the local training alone (no process, no message):
+    ``ml.cohort.train`` over all clients at once against ``training.client_update`` one
+    by one, alternated, best of ``repeats``; one torch thread, memory kept as a worker
+    node keeps it (lifecycle.retain_freed_memory). Both give the same bits (asserted)."""
+    import numpy as np
+    import torch
+
+    from fedemu.launch.lifecycle import retain_freed_memory
+    from fedemu.worker.ml import cohort, models, training
+    from fedemu.worker.ml.datasets import get
+    from fedemu.worker.ml.models import ModelSpec
+
+    retain_freed_memory()
+    torch.set_num_threads(1)
+    mnist = get("mnist")
+    rows = []
+    for name, clients, examples, batch, epochs in ENGINE_CASES:
+        model = ModelSpec(name, mnist).build(seed=1)
+        start = models.get_flat(model)
+        rng = np.random.default_rng(0)
+        data = [(rng.integers(0, 256, (examples, 28, 28), dtype=np.uint8), rng.integers(0, 10, examples))
+                for _ in range(clients)]
+        together, alone = [], []
+        for _ in range(repeats):
+            members = [cohort.Member(x=x, y=y, start=start, generator=torch.Generator().manual_seed(k), epochs=epochs,
+                                     batch_size=batch, lr=0.1) for k, (x, y) in enumerate(data)]
+            began = time.thread_time()
+            batched = cohort.train(model, members, mnist)
+            together.append(time.thread_time() - began)
+            began = time.thread_time()
+            own = []
+            for k, (x, y) in enumerate(data):
+                models.set_flat(model, start)
+                own.append(training.client_update(model, x, y, epochs=epochs, batch_size=batch, lr=0.1,
+                                                  generator=torch.Generator().manual_seed(k), dataset=mnist))
+            alone.append(time.thread_time() - began)
+            assert all(a.weights.tobytes() == b.weights.tobytes() for a, b in zip(own, batched))
+            del batched, own
+        rows.append({"model": name, "clients": clients, "examples": examples, "B": batch, "E": epochs,
+                     "cohort_ms": 1000 * min(together) / clients, "alone_ms": 1000 * min(alone) / clients})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=["2nn", "cnn-e5"])
@@ -160,10 +217,25 @@ def main() -> None:
     parser.add_argument("--cnn-rounds", type=int, default=3, help="rounds of the CNN job (>= 2; ~1 min a round)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--engine", action="store_true",
+                        help="time the batched computation alone against per-client training instead (~1 min)")
     parser.add_argument("--plain-loop", choices=sorted(JOBS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_loop:
         json.dump(plain_loop(args.plain_loop, args.rounds), sys.stdout)
+        return
+    if args.engine:
+        load = load_average()
+        rows = engine(args.repeats)
+        print(f"local training alone, CPU ms a client (best of {args.repeats}, alternated); 1-min load average "
+              f"{load:.1f} before, {load_average():.1f} after")
+        print("| model | clients | examples each | B | E | cohort | one by one | ratio |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['model']} | {r['clients']} | {r['examples']} | {r['B']} | {r['E']} | {r['cohort_ms']:.3f} "
+                  f"| {r['alone_ms']:.3f} | {r['cohort_ms'] / r['alone_ms']:.2f} |")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
         return
     variants = ["plain", "auto", "off"]
     results = []
