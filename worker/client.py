@@ -26,7 +26,7 @@ from .protocol import (
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
-from .cohorts import COHORT_CHOICES, CohortTrainer, Failed, Job, TrainAlone
+from .cohorts import CohortTrainer, Failed, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
@@ -497,15 +497,13 @@ def host_clients(
     compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
     device: torch.device = torch.device("cpu"),
-    cohort: str = "off",
+    cohorts: bool = False,
 ) -> None:
     """Spawn this node's clients (training on ``device``, shared by all of them), register
     their names, and report to the server.
     With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
-    times per client, and tells the server its new pid. With ``cohort = "auto"`` the
-    clients that have work in hand at once train together (worker/cohorts.py)."""
-    if cohort not in COHORT_CHOICES:
-        raise ValueError(f"cohort must be one of {COHORT_CHOICES}, got {cohort!r}")
+    times per client, and tells the server its new pid. With ``cohorts`` (run.cohort =
+    "auto") the clients that have work in hand at once train together (worker/cohorts.py)."""
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
@@ -513,7 +511,7 @@ def host_clients(
     kept = KeptUpdates()
     sums = node.spawn_behaviour(NodeSums(kept))
     trainer = None
-    if cohort == "auto":
+    if cohorts:
         trainer = CohortTrainer(cache)
         trainer.pid = node.spawn_behaviour(trainer)
 

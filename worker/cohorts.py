@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedemu.worker")
 
-COHORT_CHOICES = ("auto", "off")
 ASYNC = "async"  # an asynchronous rule's local update (a job without a request)
 
 
