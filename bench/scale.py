@@ -1,7 +1,8 @@
 """Cross-device scale: populations of up to 100,000 clients, up to 1,000 of them per round.
 
     python bench/scale.py [--populations 1000 10000 100000] [--per-round 10 100 1000]
-                          [--examples 1] [--rounds 4] [--json out.json]
+                          [--examples 1] [--rounds 4] [--aggregation server|nodes]
+                          [--cohort auto off] [--repeats N] [--json out.json]
                           [--profile lan] [--timeline all|off]
 
 For each population P and clients per round m (m <= P): ``fedemu launch`` of the default
@@ -123,10 +124,11 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server",
-        profile: str | None = None, timeline: str = "all") -> dict:
+        cohort: str = "auto", profile: str | None = None, timeline: str = "all") -> dict:
     extra = ["--set", f"network.default_profile={profile}"] if profile else []
     command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), *extra,
                "--set", f"run.timeline={timeline}", "--set", f"run.aggregation={aggregation}",
+               "--set", f"run.cohort={cohort}",
                "--set", f"data.clients={population}", "--set", f"algorithm.C={per_round / population!r}",
                "--set", "data.partition=sample", "--set", f"data.examples_per_client={examples}",
                "--set", f"run.rounds={rounds}", "--set", "run.target_accuracy=0"]
@@ -183,6 +185,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     all_rounds = len(timed) + 1
     return {
         "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
+        "cohort": cohort,
         "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
         "training_s": round(training, 3), "rest_s": round(median_round - training, 3),
         "training_cpu_s": round(training_cpu, 3), "rest_cpu_s": round(all_cpu - training_cpu, 3),
@@ -210,6 +213,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2; round 1 is not timed)")
     parser.add_argument("--aggregation", choices=("server", "nodes"), default="server",
                         help="run.aggregation: the server adds every update, or each worker node sums its clients'")
+    parser.add_argument("--cohort", nargs="+", choices=("auto", "off"), default=["auto"],
+                        help="run.cohort: with both, each point runs with each in turn (alternated, --repeats times)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each point and cohort setting")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--profile", help="network.default_profile (e.g. lan): links whose transfers the timeline "
                                           "records (default: ideal links)")
@@ -218,27 +224,33 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("need --rounds >= 2")
     results = []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedemu-scale-") as tmp:
         for population in args.populations:
             for per_round in args.per_round:
                 if per_round > population:
                     continue
-                print(f"  {population} clients, {per_round} per round ...", file=sys.stderr, flush=True)
-                results.append(run(population, per_round, args.examples, args.rounds,
-                                   Path(tmp) / f"{population}-{per_round}", args.aggregation, args.profile,
-                                   args.timeline))
-                if args.json:  # as it goes: a long grid keeps what it measured
-                    args.json.write_text(json.dumps(results, indent=2))
+                for repeat in range(args.repeats):
+                    for cohort in args.cohort:  # alternated: a drift in the host's load hits each alike
+                        print(f"  {population} clients, {per_round} per round, cohort {cohort} ({repeat + 1}/"
+                              f"{args.repeats}; load {os.getloadavg()[0]:.1f}) ...", file=sys.stderr, flush=True)
+                        results.append(run(population, per_round, args.examples, args.rounds,
+                                           Path(tmp) / f"{population}-{per_round}-{cohort}-{repeat}",
+                                           args.aggregation, cohort, args.profile, args.timeline))
+                        if args.json:  # as it goes: a long grid keeps what it measured
+                            args.json.write_text(json.dumps(results, indent=2))
     roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
     print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
           f"'sample'), aggregation on the {args.aggregation}, links {args.profile or 'ideal'}, timeline "
-          f"{args.timeline}; {os.cpu_count()} cores; 1-min load average at end {os.getloadavg()[0]:.2f}")
-    print("| clients | per round | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / rest "
-          "| delivered msg/s | relayed msg/s | tree PSS (MB) | " + " | ".join(f"{kind} (MB)" for kind in roles)
-          + " | timeline KB / rows per round |")
-    print("|" + " ---: |" * (11 + len(roles)))
+          f"{args.timeline}; {os.cpu_count()} cores; 1-min load average at start {load_before:.2f}, at end "
+          f"{os.getloadavg()[0]:.2f}")
+    print("| clients | per round | cohort | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / "
+          "rest | delivered msg/s | relayed msg/s | tree PSS (MB) | "
+          + " | ".join(f"{kind} (MB)" for kind in roles) + " | timeline KB / rows per round |")
+    print("|" + " ---: |" * 2 + " --- |" + " ---: |" * (9 + len(roles)))
     for r in results:
-        print(f"| {r['population']} | {r['per_round']} | {r['start_s']} | {r['median_round_s']} | {r['training_s']} "
+        print(f"| {r['population']} | {r['per_round']} | {r['cohort']} | {r['start_s']} | {r['median_round_s']} "
+              f"| {r['training_s']} "
               f"| {r['rest_s']} | {r['training_cpu_s']} / {r['rest_cpu_s']} "
               f"| {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
               + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles)

@@ -81,6 +81,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            "sum: a round of 1,000 clients moves a few sums instead of 1,000 models; the model "
                            "differs from 'server's in the last bits and is the same on any placement)",
                            choices=("server", "nodes")),
+        "cohort": Key(str, "how a worker node trains the clients that have local work in hand at once: 'auto' "
+                      "(as one batched computation, where the model and task allow, else one by one, said once "
+                      "in the node's log; each client's update is bit for bit the one it would train alone) or "
+                      "'off' (one by one)", choices=("auto", "off")),
         "restart_clients": Key(int, "times a worker node's supervisor restarts a crashed client (0: never)",
                                check=non_negative, rule=">= 0"),
     },

@@ -244,7 +244,8 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
                      model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
                      stragglers=stragglers, compute=compute_model(config, run_dir),
-                     restarts=config["run"]["restart_clients"], device=device)
+                     restarts=config["run"]["restart_clients"], device=device,
+                     cohorts=config["run"]["cohort"] == "auto")
     except (NodeError, TimeoutError):
         if not node.closed.is_set():
             raise

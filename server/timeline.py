@@ -114,7 +114,9 @@ class Timeline:
             kind = "upload" if direction == UP else "download"
             self._add(round_, link, kind, entry if entry is not None else end, end, size, wire, resent, outcome)
         self._before = dict(self._offline_since)
-        for link, at, offline in sorted(stats.get("availability", ()), key=lambda r: r[1]):
+        # By time, then client: the broker notes an instant's switches in the order its
+        # nodes registered their clients, which differs from run to run.
+        for link, at, offline in sorted(stats.get("availability", ()), key=lambda r: (r[1], r[0])):
             facts.availability.setdefault(link, []).append((at, offline))
             self._add(round_, link, "offline" if offline else "online", at, None, None, None, None, None)
             if offline:

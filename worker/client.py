@@ -5,6 +5,7 @@ trains, in a model instance owned by the pool thread that runs it.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ import torch
 from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
-from .ml import models, training
+from .ml import cohort, models, training
 from .ml.data import Data
 from .ml.models import ModelSpec
 from . import tasks
@@ -25,6 +26,7 @@ from .protocol import (
 )
 from .ml.compression import UpdateCodec, update_seed
 from .ml.devices import ComputeModel
+from .cohorts import CohortTrainer, Failed, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
 from .stragglers import StragglerGroups, StragglerSpec
 from .ml.structured import compressed_client_update
@@ -71,9 +73,11 @@ class Client(Behaviour):
 
     def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
                  stragglers: StragglerSpec | StragglerGroups = StragglerSpec(), compute: ComputeModel = ComputeModel(),
-                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None):
+                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None,
+                 trainer: CohortTrainer | None = None):
         self.client_id = client_id
         self.kept = kept  # the node's kept updates (aggregation on the nodes)
+        self.trainer = trainer  # the node's cohort trainer (run.cohort = "auto")
         self.indices = indices
         self.data = data
         self.model = model
@@ -112,6 +116,14 @@ class Client(Behaviour):
         body = msg.body
         if isinstance(body, TrainRequest):
             self._train_request(proc, msg.sender, body)
+        elif isinstance(body, TrainAlone):
+            job = body.job
+            if job.request is not None:
+                self._train_request(proc, job.sender, job.request, started=job.started)
+            elif not job.cancelled():
+                self._update_alone(proc, self._offline_since(proc), job.started)
+        elif isinstance(body, Failed):
+            raise body.error
         elif isinstance(body, Cancel):
             held = self._held_replies.pop(body.round, None)
             if held is not None:
@@ -199,9 +211,14 @@ class Client(Behaviour):
 
     # --- synchronous rounds ---------------------------------------------------------------
 
-    def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest) -> None:
+    def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest,
+                       started: float | None = None) -> None:
+        """``started``: given for a request its node's trainer handed back to train alone
+        (when it arrived, emulated); else now."""
+        alone = started is not None
         went_offline = self._offline_since(proc)
-        started = proc.now()  # emulated: the local work's span goes into the run's timeline
+        if started is None:
+            started = proc.now()  # emulated: the local work's span goes into the run's timeline
 
         def cancels_this_round(body: object) -> bool:
             return isinstance(body, Cancel) and body.round == request.round
@@ -212,16 +229,31 @@ class Client(Behaviour):
         def unwanted() -> bool:
             return went_offline() or cancelled()
 
+        task = tasks.get(request.task)
+        if not alone and self.trainer is not None and self.trainer.takes(task, self, request):
+            # Trained with the node's other clients of this instant (worker/cohorts.py),
+            # which finishes it through cohort_done.
+            self.trainer.submit(Job(self, proc, sender, request, went_offline, cancelled, started))
+            return
         try:
             with training.stop_when(unwanted):
                 reply, hold = self._run_task(request)
                 if went_offline():
                     raise training.TrainingStopped
         except training.TrainingStopped:
-            self.trainings_stopped += 1
-            log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
-                     "the round closed without it" if cancelled() else "it went offline")
+            self._stopped_training(request, cancelled())
             return
+        self._send_reply(proc, sender, request, reply, hold, started)
+
+    def _stopped_training(self, request: TrainRequest, cancelled: bool) -> None:
+        self.trainings_stopped += 1
+        log.info("client %d stops round %d's training and sends nothing: %s", self.client_id, request.round,
+                 "the round closed without it" if cancelled else "it went offline")
+
+    def _send_reply(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest, reply: TrainReply,
+                    hold: float, started: float) -> None:
+        """``started``: the emulated instant the request arrived (the local work's span
+        goes into the run's timeline)."""
         if (request.keep_at_node and reply.update is not None and self.kept is not None
                 and update_problem(reply.update, request.weights.size) is None):
             self.kept.keep(reply)  # (an unfit update goes to the server whole: it refuses it, naming why)
@@ -230,21 +262,42 @@ class Client(Behaviour):
         held = proc.send_after(hold, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
+    def cohort_done(self, job: Job, task: type[tasks.LocalTask], output: tasks.TaskOutput | None,
+                    measured_s: float, cpu_s: float) -> None:
+        """The node's trainer has run this client's job in a cohort: ``output`` is what its
+        task gave it (None: its stop condition turned true), ``measured_s`` and ``cpu_s``
+        its share of the computation. Finished as _train_request finishes its own."""
+        if output is None or job.went_offline():
+            self._stopped_training(job.request, job.cancelled())
+            return
+        reply, hold = self._reply(task, job.request, tasks.checked(task, output), measured_s, cpu_s)
+        self._send_reply(job.proc, job.sender, job.request, reply, hold, job.started)
+
+    def task_input(self, task: type[tasks.LocalTask], request: TrainRequest, model: torch.nn.Module
+                   ) -> tasks.TaskInput:
+        """What ``task`` works with for ``request`` (the weights are loaded by the caller)."""
+        x, y = self._data()
+        return tasks.TaskInput(
+            model=model, model_spec=self.model, x=x, y=y, request=request,
+            generator=client_generator(request.seed, request.round, self.client_id), dataset=self.data.dataset,
+            client=self.client_id, iterations=self.iterations, state=self.task_state,
+            anchor=self._anchors.get(self.model) if task.needs_anchor else None)
+
     def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
         """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
         task = tasks.get(request.task)
         model = self._cache.get(self.model)
         models.set_flat(model, request.weights)
-        x, y = self._data()
-        result = tasks.checked(task, task().run(tasks.TaskInput(
-            model=model, model_spec=self.model, x=x, y=y, request=request,
-            generator=client_generator(request.seed, request.round, self.client_id), dataset=self.data.dataset,
-            client=self.client_id, iterations=self.iterations, state=self.task_state,
-            anchor=self._anchors.get(self.model) if task.needs_anchor else None)))
+        result = tasks.checked(task, task().run(self.task_input(task, request, model)))
+        measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
+        return self._reply(task, request, result, measured_s, cpu_s)
+
+    def _reply(self, task: type[tasks.LocalTask], request: TrainRequest, result: tasks.TaskOutput,
+               measured_s: float, cpu_s: float) -> tuple[TrainReply, float]:
+        """The reply to ``request`` carrying ``result``, and how long to hold it back."""
         self.iterations += result.steps
         slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        measured_s, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu  # wall
         if self._cache.device.type != "cpu":
             cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
         compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
@@ -329,6 +382,18 @@ class Client(Behaviour):
         self._untrained = self._weights
         self._updates += 1
         self._trainings += 1
+        if self.trainer is not None and self.trainer.takes_async(self):
+            # With the node's other clients training now (an asynchronous rule's start).
+            start = self._async
+
+            def task_over() -> bool:  # algorithm.concurrency: a TaskDone came while the job waited
+                return self._async is not start
+
+            self.trainer.submit(Job(self, proc, self._server, None, went_offline, task_over, started))
+            return
+        self._update_alone(proc, went_offline, started)
+
+    def _update_alone(self, proc: BehaviourProcess, went_offline, started: float) -> None:
         try:
             with training.stop_when(went_offline):
                 self._local_update()
@@ -337,6 +402,33 @@ class Client(Behaviour):
         except training.TrainingStopped:
             self._lose_local_update("during training")
             return
+        self._after_local_update(proc, started)
+
+    def async_member(self, job: Job) -> cohort.Member:
+        """This client's local update (``_local_update``) as a cohort's member."""
+        start = self._async
+        x, y = self._data()
+        return cohort.Member(x=x, y=y, start=self._weights, stop=job.went_offline,
+                             generator=client_generator(start.seed, self._updates, self.client_id),
+                             epochs=start.epochs, batch_size=start.batch_size, lr=start.lr, lr_decay=start.lr_decay,
+                             start_iteration=self.iterations)
+
+    def async_done(self, job: Job, result: training.TrainResult | None, measured_s: float, cpu_s: float) -> None:
+        """The node's trainer has run this client's local update in a cohort (None: it
+        stopped); it goes on as after its own."""
+        if job.cancelled():  # its task is over: the work is dropped, as _end_task drops it
+            return
+        if result is None or job.went_offline():
+            self._lose_local_update("during training")
+            return
+        self.iterations += result.steps
+        self._weights, self._loss = result.weights, result.train_loss
+        self._measured = (measured_s, cpu_s)
+        self._after_local_update(job.proc, job.started)
+
+    def _after_local_update(self, proc: BehaviourProcess, started: float) -> None:
+        """What follows a local update (begun at ``started``, emulated): CO-OP asks the
+        server's age, the others upload."""
         start = self._async
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
         measured_s, cpu_s = self._measured
@@ -447,20 +539,27 @@ def host_clients(
     compute: ComputeModel = ComputeModel(),
     restarts: int = 0,
     device: torch.device = torch.device("cpu"),
+    cohorts: bool = False,
 ) -> None:
     """Spawn this node's clients (training on ``device``, shared by all of them), register
     their names, and report to the server.
     With ``restarts`` > 0 a supervisor restarts a client that crashes, up to that many
-    times per client, and tells the server its new pid."""
+    times per client, and tells the server its new pid. With ``cohorts`` (run.cohort =
+    "auto") the clients that have work in hand at once train together (worker/cohorts.py)."""
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
     cache, anchors = _ModelCache(device), _ModelCache(device)
     kept = KeptUpdates()
     sums = node.spawn_behaviour(NodeSums(kept))
+    trainer = None
+    if cohorts:
+        trainer = CohortTrainer(cache)
+        trainer.pid = node.spawn_behaviour(trainer)
 
     def start_client(k: int) -> Pid:
-        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors, kept))
+        return node.spawn_behaviour(Client(k, shards[k], data, model, cache, stragglers, compute, anchors, kept,
+                                           trainer))
 
     entries = [(client_name(k), start_client(k), k) for k in clients]
     node.register_many(entries)
@@ -474,6 +573,9 @@ def host_clients(
     if restarts > 0:
         node.spawn(lambda proc: _supervise(proc, {pid: k for _, pid, k in entries}, start_client, server_pid,
                                            restarts))
+    # The clients live as long as the node: out of the cyclic collector's sight, so a
+    # round's garbage does not make it walk 100,000 clients' objects again and again.
+    gc.freeze()
     node.send(server_pid, WorkerReady(node.name, [[k, pid] for _, pid, k in entries], sums))
     log.info("node %s hosts clients %d..%d (%d)", node.name, clients.start, clients.stop - 1, len(clients))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from fedemu.node import plugins, wire
 
-from .ml import models, training
+from .ml import cohort, models, training
 from .ml.compression import UpdateCodec, make_codec, parameter_shapes, update_seed
 from .ml.datasets import Dataset
 from .ml.models import ModelSpec
@@ -70,6 +70,21 @@ class LocalTask:
     needs_anchor: ClassVar[bool] = False  # TaskInput.anchor: a second model (SVRG holds w_t in it)
 
     def run(self, task: TaskInput) -> TaskOutput:
+        raise NotImplementedError
+
+    @classmethod
+    def cohort_problem(cls, request: TrainRequest, model: nn.Module, dataset: Dataset) -> str | None:
+        """Why clients cannot run this request as a cohort (``run_cohort``), or None when
+        they can. A task that does not override ``run_cohort`` trains one client at a time."""
+        if cls.run_cohort is LocalTask.run_cohort:
+            return "it has no run_cohort"
+        return None
+
+    def run_cohort(self, tasks: list[TaskInput], stops: list[Callable[[], bool]]) -> list[TaskOutput | None]:
+        """Each of ``tasks`` run at once (worker/ml/cohort.py): the output ``run`` would give
+        for each alone, or None for one whose ``stops`` entry turned true before one of its
+        steps (its device went offline, its round closed). Each input's ``model`` gives the
+        architecture and the device, with no weights loaded: its weights are its request's."""
         raise NotImplementedError
 
     @classmethod
@@ -171,6 +186,32 @@ class Train(LocalTask):
             prox_mu=r.prox_mu, dataset=task.dataset)
         return TaskOutput(result.weights, result.train_loss, result.steps)
 
+    @classmethod
+    def cohort_problem(cls, request, model, dataset):
+        if request.compression and request.compression.get("structured", "none") != "none":
+            return "a structured update trains each client in a restricted space of its own"
+        return cohort.problem(model, dataset)
+
+    def run_cohort(self, tasks, stops):
+        members = [cohort.Member(x=t.x, y=t.y, start=t.request.weights, generator=t.generator, stop=stop,
+                                 epochs=t.request.epochs, batch_size=t.request.batch_size, lr=t.request.lr,
+                                 lr_decay=t.request.lr_decay, start_iteration=t.iterations,
+                                 prox_mu=t.request.prox_mu)
+                   for t, stop in zip(tasks, stops)]
+        outputs = []
+        for t, result in zip(tasks, cohort.train(tasks[0].model, members, tasks[0].dataset)):
+            r = t.request
+            if result is None:
+                outputs.append(None)
+            elif r.compression:  # sketched: encoded after training, as compressed_client_update does
+                codec = codec_for(t.model_spec, r.compression, t.model)
+                delta = result.weights - np.asarray(r.weights, dtype=np.float32)
+                encoded = codec.encode(delta, update_seed(r.seed, r.round, t.client))
+                outputs.append(TaskOutput(None, result.train_loss, result.steps, encoded=encoded))
+            else:
+                outputs.append(TaskOutput(result.weights, result.train_loss, result.steps))
+        return outputs
+
 
 @register
 class Gradient(LocalTask):
@@ -182,6 +223,15 @@ class Gradient(LocalTask):
     def run(self, task):
         gradient, loss = training.local_gradient(task.model, task.x, task.y, task.dataset)
         return TaskOutput(gradient, loss)
+
+    @classmethod
+    def cohort_problem(cls, request, model, dataset):
+        return cohort.problem(model, dataset)
+
+    def run_cohort(self, tasks, stops):
+        members = [cohort.Member(x=t.x, y=t.y, start=t.request.weights, stop=stop) for t, stop in zip(tasks, stops)]
+        return [None if result is None else TaskOutput(*result)
+                for result in cohort.gradients(tasks[0].model, members, tasks[0].dataset)]
 
 
 @register
@@ -200,3 +250,14 @@ class Svrg(LocalTask):
         result = training.svrg_pass(task.model, task.x, task.y, anchor=task.anchor, full_gradient=r.full_gradient,
                                     stepsize=r.lr, generator=task.generator, dataset=task.dataset)
         return TaskOutput(result.weights, result.train_loss)
+
+    @classmethod
+    def cohort_problem(cls, request, model, dataset):
+        return cohort.svrg_problem(model, dataset)
+
+    def run_cohort(self, tasks, stops):
+        members = [cohort.Member(x=t.x, y=t.y, start=t.request.weights, generator=t.generator, stop=stop,
+                                 full_gradient=t.request.full_gradient, stepsize=t.request.lr)
+                   for t, stop in zip(tasks, stops)]
+        return [None if result is None else TaskOutput(result.weights, result.train_loss)
+                for result in cohort.svrg(tasks[0].model, members, tasks[0].dataset)]

@@ -13,7 +13,8 @@ Two kinds of processes live in a node, both with a pid, a mailbox and monitors:
 Apart from the node (runtime.py) because a process's API and how it consumes its
 mailbox are one job, and the node's (moving messages, its process table, its clocks)
 are others: a process reaches its node only through a handful of calls (``_send``,
-``_monitor``, ``_add_timer``, ``_busy_up``/``_busy_down``, ``_exit``, ``_pool_submit``).
+``_monitor``, ``_add_timer``, ``_busy_up``/``_busy_down``, ``_exit``, ``_pool_submit``,
+``_deliver_local``).
 """
 from __future__ import annotations
 
@@ -121,6 +122,17 @@ class Process:
         and carried once per node they live on (a model broadcast to a round's clients).
         Each receiver decodes its own copy; arrays in it are read-only and shared."""
         self.node._send_many(self.pid, list(dsts), body)
+
+    def hand(self, dst: Pid, body: Any) -> None:
+        """Give ``body`` (any object, as it is: not encoded, not copied) to ``dst``, a
+        process of this node, at once: no broker, no link, in either clock. For a node's
+        own services, whose state its processes share by design (a client handing its
+        local work to its node's trainer); between emulated parties, ``send``. The
+        receiver is runnable from now, so in virtual time the node stays busy until it
+        has run."""
+        if dst.node != self.node.name:
+            raise ValueError(f"hand: {dst} is not a process of node {self.node.name}")
+        self.node._deliver_local(self.pid, dst.id, body)
 
     def monitor(self, target: Pid) -> int:
         """Watch ``target``; exactly one :class:`Down` with this ref will arrive."""
@@ -310,6 +322,11 @@ class Behaviour:
     def handle(self, proc: BehaviourProcess, msg: Message) -> None:
         raise NotImplementedError
 
+    def drained(self, proc: BehaviourProcess) -> None:
+        """Its mailbox has run empty after one or more messages (still runnable: in
+        virtual time the node stays busy meanwhile). Work gathered from many messages
+        can be done here at once; what arrives meanwhile is handled after it."""
+
     def link_changed(self, proc: BehaviourProcess, offline: bool) -> None:
         """This process owns an emulated link (a client) whose device went offline
         (``offline``) or came back. Runs in mailbox order, like ``handle``; a handler
@@ -328,6 +345,8 @@ class BehaviourProcess(Process):
         self.behaviour = behaviour
         self._scheduled = False
         self._stop_reason: str | None = None
+        self._drains = type(behaviour).drained is not Behaviour.drained
+        self._undrained = False  # handled a message since its last drained()
 
     def stop(self, reason: str = "normal") -> None:
         self._stop_reason = reason
@@ -353,14 +372,18 @@ class BehaviourProcess(Process):
     def _run_turn(self) -> None:
         for _ in range(self._BATCH):
             with self._lock:
-                if not self._mailbox or not self.alive:
+                if not self.alive or not (self._mailbox or self._undrained):
                     self._unschedule()
                     return
-                msg = self._mailbox.popleft()
+                msg = self._mailbox.popleft() if self._mailbox else None
             try:
-                if type(msg.body) is LinkChange:
+                if msg is None:
+                    self._undrained = False
+                    self.behaviour.drained(self)
+                elif type(msg.body) is LinkChange:
                     self.behaviour.link_changed(self, msg.body.offline)
                 else:
+                    self._undrained = self._drains
                     self.behaviour.handle(self, msg)
             except Exception as exc:
                 self.node._exit(self, crash_reason(exc))

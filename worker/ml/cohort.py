@@ -1,0 +1,823 @@
+"""Cohort training: the local work of many clients as one batched computation.
+
+A worker node's clients that start local work at one instant (worker/cohorts.py
+gathers them) are the *members* of a cohort; this module computes their work together.
+Each member keeps everything that makes its update its own: its examples, its batch
+order and augmentation (drawn from its own generator, in the order the per-client loop
+draws them), its learning rate and decay, its number of steps (a member with fewer
+examples finishes earlier and leaves the batch), its proximal term, and its stop
+condition (a device that goes offline stops its member at its next step; the others go
+on). Their weights sit side by side in one (members, parameters) tensor, and each step
+runs each layer once for all of them.
+
+**Exact.** Every member's weights, gradient and losses are bit for bit what
+``training.client_update`` (``local_gradient``, ``svrg_pass``) computes for that client
+alone, so a member's update depends on nothing else in its cohort, and ``run.cohort``
+does not change a run's weights. That holds because each batched kernel runs, slice by
+slice, the per-client kernel's own arithmetic: a Linear layer is ``baddbmm`` (one
+``addmm`` per member, as ``F.linear``), its gradients ``bmm`` (one ``mm`` per member, as
+autograd's), the loss and the backward are the very ops autograd records
+(``log_softmax``, ``nll_loss``'s gradient, ``_log_softmax_backward_data``,
+``threshold_backward``, ``max_pool2d_with_indices_backward``), elementwise steps are
+elementwise, and a convolution is the per-client call once per member (its cost is
+its arithmetic, not its dispatch). ``torch.func.vmap`` would not do: its batching rule
+splits a Linear layer into a matmul and an add, which round differently from the
+fused ``addmm``, and folding the members into one matrix product rounds each row by
+the product's size, which depends on who else is in it. ``tests/test_cohort.py``
+checks the equality for each task.
+
+**Which models.** An ``nn.Sequential`` (nested ones allowed) of ``Flatten``, ``Linear``,
+``ReLU``, ``Conv2d`` and ``MaxPool2d``, without buffers or hooks, trained on the data
+set's own loss (cross-entropy, one label per example, none ignored): McMahan et al.'s
+2NN and CNN. Anything else (batch norm's running statistics, a module of its own, an
+LSTM, a plug-in loss) is not vectorised: :func:`problem` says why, and its clients
+train one by one. SVRG's pass is vectorised for a plain ReLU MLP, the model its
+per-client fast path takes.
+
+**Memory.** Members are split into chunks whose stacked weights, gradients and
+activations fit ``memory_bytes``: 1,000 clients of the CNN do not need 1,000 copies at
+once. Each member's result is a row of its chunk's weights, so the chunk's tensor lives
+as long as any of its results.
+
+**Devices.** Everything runs where the model's parameters are: on a GPU the members'
+weights stay on the device for the whole cohort, and only the results cross to the
+host. Batch orders and augmentation are drawn on the CPU, as per client.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .datasets import Dataset
+from .models import parameters_of, set_flat
+from .training import _FULL_PASS_CHUNK, TrainResult, _check_local_data, _plain_mlp, device_of
+
+aten = torch.ops.aten
+
+# Stacked weights and activations of one chunk of members. On the CPU, 30 MiB keeps a
+# chunk's weights under glibc's mmap threshold as worker nodes set it (32 MiB,
+# lifecycle.retain_freed_memory), so each round reuses freed memory instead of faulting
+# in fresh pages (which cost more than the training of one-example clients); it holds
+# 34-38 members of the 2NN, 2 of the CNN with minibatches of 10. A GPU takes a quarter of
+# its free memory.
+CPU_MEMORY_BYTES = 30 * 2**20
+GPU_MEMORY_FRACTION = 0.25
+
+_LINEAR, _RELU, _FLATTEN, _CONV, _POOL = "linear", "relu", "flatten", "conv", "pool"
+_ALIGN = 16  # floats: 64 bytes
+
+
+@dataclass
+class Member:
+    """One client's share of a cohort: what its per-client call would be given.
+
+    ``start`` is the flat float32 weights it starts from (w_t); members sent the same
+    model share one array, which the first step then reads once for all of them.
+    ``stop`` is checked before each of its steps (as ``training.stop_when`` is): once
+    true, the member stops and its result is None."""
+
+    x: np.ndarray
+    y: np.ndarray
+    start: np.ndarray
+    generator: torch.Generator | None = None
+    stop: Callable[[], bool] | None = None
+    # train
+    epochs: int = 1
+    batch_size: int | None = None
+    lr: float = 0.0
+    lr_decay: float = 0.0
+    start_iteration: int = 0
+    prox_mu: float = 0.0
+    # svrg
+    full_gradient: np.ndarray | None = None
+    stepsize: float = 0.0
+
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop()
+
+
+@dataclass(frozen=True)
+class _Layer:
+    kind: str
+    module: nn.Module | None = None
+    weight: int = -1  # index in parameters_of(model)
+    bias: int = -1
+
+
+@dataclass
+class _Plan:
+    """A vectorisable model's layers and its flat layout."""
+
+    layers: list[_Layer]
+    shapes: list[torch.Size]
+    offsets: list[int]
+    size: int  # parameters in all
+    activation_floats: int  # per example: every layer's output, kept for the backward pass
+    first_with_parameters: int  # layers up to it need no input gradient
+
+    @property
+    def row(self) -> int:
+        """Floats between two members' weights: ``size`` rounded up to 64 bytes, so each
+        member's parameters lie as a client's own tensors do (the CPU allocator aligns
+        them to 64 bytes), where MKL's matrix-vector kernels round by alignment."""
+        return -(-self.size // _ALIGN) * _ALIGN
+
+    def stacked(self, members: int, device: torch.device) -> torch.Tensor:
+        """An uninitialised (members, size) tensor whose rows are 64-byte aligned."""
+        return torch.empty(members, self.row, device=device)[:, :self.size]
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's (members, *shape) view of a (members, size) tensor."""
+        return [flat[:, offset:offset + math.prod(shape)].view(flat.shape[0], *shape)
+                for offset, shape in zip(self.offsets, self.shapes)]
+
+    def expanded(self, start: torch.Tensor, members: int) -> list[torch.Tensor]:
+        """One flat weight vector, viewed as every member's (stride 0 across members)."""
+        return [start[offset:offset + math.prod(shape)].view(shape).expand(members, *shape)
+                for offset, shape in zip(self.offsets, self.shapes)]
+
+
+# --- which models ------------------------------------------------------------------------
+
+
+def _leaves(module: nn.Module):
+    if type(module) is nn.Sequential:
+        for child in module:
+            yield from _leaves(child)
+    else:
+        yield module
+
+
+def _layer_problem(m: nn.Module) -> str | None:
+    if any(True for _ in m.buffers(recurse=False)):
+        return f"its {type(m).__name__} keeps buffers (running statistics) that training updates"
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return f"its {type(m).__name__} has hooks"
+    kind = type(m)
+    if kind is nn.Flatten and (m.start_dim, m.end_dim) != (1, -1):
+        return "its Flatten does not flatten everything but the batch"
+    if kind is nn.Conv2d and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
+        return "its Conv2d pads by mode or by name"
+    if kind is nn.MaxPool2d and m.return_indices:
+        return "its MaxPool2d returns indices"
+    if kind not in (nn.Flatten, nn.Linear, nn.ReLU, nn.Conv2d, nn.MaxPool2d):
+        return f"it has a {kind.__name__}, which cohort training does not batch"
+    return None
+
+
+def _build_plan(model: nn.Module, dataset: Dataset) -> _Plan | str:
+    if type(model) is not nn.Sequential:
+        return f"it is a {type(model).__name__}, not an nn.Sequential of the layers cohort training batches"
+    if dataset.ignore_label is not None or type(dataset).loss is not Dataset.loss:
+        return f"data set {dataset.name!r} scores training with a loss of its own"
+    parameters = parameters_of(model)
+    if not parameters or any(p.dtype != torch.float32 for p in parameters):
+        return "its parameters are not all float32"
+    index = {id(p): i for i, p in enumerate(parameters)}
+    layers: list[_Layer] = []
+    for m in _leaves(model):
+        why = _layer_problem(m)
+        if why:
+            return why
+        kind = {nn.Flatten: _FLATTEN, nn.Linear: _LINEAR, nn.ReLU: _RELU, nn.Conv2d: _CONV,
+                nn.MaxPool2d: _POOL}[type(m)]
+        weight = index[id(m.weight)] if kind in (_LINEAR, _CONV) else -1
+        bias = index[id(m.bias)] if kind in (_LINEAR, _CONV) and m.bias is not None else -1
+        layers.append(_Layer(kind, m, weight, bias))
+    used = sorted(i for layer in layers for i in (layer.weight, layer.bias) if i >= 0)
+    if used != list(range(len(parameters))):
+        return "its parameters are not all in its layers, in order"
+    shapes = [p.shape for p in parameters]
+    offsets = list(np.cumsum([0] + [p.numel() for p in parameters[:-1]]).tolist())
+    plan = _Plan(layers, shapes, offsets, sum(p.numel() for p in parameters), 0,
+                 min(i for i, layer in enumerate(layers) if layer.weight >= 0))
+    # Check the plan against the model itself, on blank examples: the same logits, bit
+    # for bit, and Linear layers that see one feature vector per example.
+    device = parameters[0].device
+    blank = dataset.inputs(dataset.blank(2), train=True).to(device)
+    with torch.no_grad():
+        expected = model(blank)
+        a = blank.unsqueeze(0)
+        floats = 0
+        params = plan.expanded(_flat_of(parameters), 1)
+        for layer in layers:
+            if layer.kind == _LINEAR and a.dim() != 3:
+                return "a Linear layer in it sees more than one feature vector per example"
+            a, _ = _forward_layer(layer, params, a)
+            floats += a[0, 0].numel()
+        if expected.dim() != 2:
+            return "its outputs are not one row of logits per example"
+        exact = torch.equal(a[0], expected)
+    plan.activation_floats = floats
+    if not exact or not _reproduces(model, plan, dataset):
+        return ("its batched steps do not give its per-client steps' bits on this device (torch computes some "
+                "of its layer sizes or layouts by other kernels when batched)")
+    return plan
+
+
+def _reproduces(model: nn.Module, plan: _Plan, dataset: Dataset) -> bool:
+    """Whether the batched steps give, bit for bit, what training.client_update gives each
+    client alone, on random examples: members of 1, 3 and 2 examples in minibatches of
+    2 (so steps of one and of two examples, side by side), from one shared model and
+    from models of their own. Kernels are chosen by shape, layout and device, so this
+    is asked of the model at hand, once per process."""
+    import copy
+
+    from .training import client_update
+
+    rng = np.random.default_rng(0)
+    sizes = (1, 3, 2)
+    stored = [dataset.blank(n) for n in sizes]
+    xs = [rng.integers(0, 256, size=x.shape).astype(x.dtype) if np.issubdtype(x.dtype, np.integer)
+          else rng.random(x.shape).astype(x.dtype) for x in stored]
+    ys = [rng.integers(0, dataset.num_classes, size=n) for n in sizes]
+    alone = copy.deepcopy(model)
+    base = _flat_of(parameters_of(model)).cpu().numpy()
+    for shared in (True, False):
+        starts = [base if shared else base + np.float32(0.01 * (k + 1)) for k in range(len(sizes))]
+        members = [Member(x=x, y=y, start=start, generator=torch.Generator().manual_seed(k), epochs=1,
+                          batch_size=2, lr=0.1)
+                   for k, (x, y, start) in enumerate(zip(xs, ys, starts))]
+        together = _train_chunk(plan, members, dataset, device_of(model))
+        for k, member in enumerate(members):
+            set_flat(alone, member.start)
+            own = client_update(alone, member.x, member.y, epochs=1, batch_size=2, lr=0.1,
+                                generator=torch.Generator().manual_seed(k), dataset=dataset)
+            if not np.array_equal(own.weights, together[k].weights) or own.train_loss != together[k].train_loss:
+                return False
+    return True
+
+
+def _flat_of(parameters: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in parameters])
+
+
+def plan_of(model: nn.Module, dataset: Dataset) -> _Plan | str:
+    """The model's plan for batched training, or why it cannot have one; kept on the
+    model (one instance per pool thread)."""
+    key = ("_fedemu_cohort_plan", dataset.name)
+    cached = model.__dict__.get(key[0])
+    if cached is None or cached[0] != key[1]:
+        cached = model.__dict__[key[0]] = (key[1], _build_plan(model, dataset))
+    return cached[1]
+
+
+def problem(model: nn.Module, dataset: Dataset) -> str | None:
+    """Why ``model``'s clients cannot train as a cohort on ``dataset`` (None: they can)."""
+    plan = plan_of(model, dataset)
+    return plan if isinstance(plan, str) else None
+
+
+def svrg_problem(model: nn.Module, dataset: Dataset) -> str | None:
+    """Why SVRG's pass cannot be batched for ``model`` (None: it can): as the per-client
+    fast path, it needs a plain ReLU MLP and a plain classification data set."""
+    if not dataset.plain_classification:
+        return f"data set {dataset.name!r} augments or scores with a loss of its own"
+    if _plain_mlp(model) is None:
+        return "SVRG's pass is batched for a plain ReLU MLP only"
+    return problem(model, dataset)
+
+
+# --- one layer, forward and backward, for all members ----------------------------------
+
+
+def _forward_layer(layer: _Layer, params: list[torch.Tensor], a: torch.Tensor):
+    """(output, what the backward pass needs) for activations ``a`` of shape
+    (members, examples, *features)."""
+    kind = layer.kind
+    if kind == _LINEAR:
+        weight = params[layer.weight].transpose(1, 2)
+        if layer.bias >= 0:
+            return torch.baddbmm(params[layer.bias].unsqueeze(1), a, weight), a
+        return torch.bmm(a, weight), a
+    if kind == _RELU:
+        out = torch.relu(a)
+        return out, out
+    if kind == _FLATTEN:
+        return a.reshape(a.shape[0], a.shape[1], -1), a.shape
+    if kind == _CONV:
+        m = layer.module
+        weight, bias = params[layer.weight], params[layer.bias] if layer.bias >= 0 else None
+        out = torch.stack([F.conv2d(a[k], weight[k], None if bias is None else bias[k], m.stride, m.padding,
+                                    m.dilation, m.groups) for k in range(a.shape[0])])
+        return out, a
+    m = layer.module  # _POOL
+    folded = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    out, indices = aten.max_pool2d_with_indices(folded, *_pool_args(m))
+    return out.view(a.shape[0], a.shape[1], *out.shape[1:]), (folded, indices)
+
+
+def _pool_args(m: nn.MaxPool2d) -> tuple:
+    pair = lambda v: list(v) if isinstance(v, (tuple, list)) else [v, v]
+    return (pair(m.kernel_size), pair(m.stride if m.stride is not None else m.kernel_size), pair(m.padding),
+            pair(m.dilation), m.ceil_mode)
+
+
+def _forward(plan: _Plan, params: list[torch.Tensor], x: torch.Tensor):
+    saved = []
+    a = x
+    for layer in plan.layers:
+        a, keep = _forward_layer(layer, params, a)
+        saved.append(keep)
+    return a, saved
+
+
+# Members whose Linear weight gradients are made at once: a weight's gradient is
+# made and spent block by block, so a step never holds one per member (a fresh
+# model-sized tensor per member was most of a step of one-example members).
+_BLOCK_BYTES = 4 * 2**20
+
+
+def _backward(plan: _Plan, params: list[torch.Tensor], saved: list, grad: torch.Tensor,
+              spend: Callable[[int, int, int, torch.Tensor], None]) -> None:
+    """The backward pass from the logits' gradient, with the ops and operands autograd
+    uses for one client, per member. Each parameter's gradient, as soon as it is known
+    (after its layer's input gradient, which reads the parameters as they were), goes
+    to ``spend(parameter index, first member, end member, gradient)`` in blocks of
+    members, so ``spend`` may update the parameters in place."""
+    g = grad
+    members = grad.shape[0]
+    for i in range(len(plan.layers) - 1, -1, -1):
+        layer, keep = plan.layers[i], saved[i]
+        needs_input = i > plan.first_with_parameters
+        if layer.kind == _LINEAR:
+            weight = params[layer.weight]
+            bias = g.sum(1) if layer.bias >= 0 else None
+            below = torch.bmm(g, weight) if needs_input else None
+            block = max(1, _BLOCK_BYTES // (4 * weight[0].numel()))
+            scratch = torch.empty(min(block, members), *weight.shape[1:], device=g.device)
+            for lo in range(0, members, block):
+                hi = min(lo + block, members)
+                spend(layer.weight, lo, hi, torch.bmm(g[lo:hi].transpose(1, 2), keep[lo:hi], out=scratch[:hi - lo]))
+            if bias is not None:
+                spend(layer.bias, 0, members, bias)
+            g = below
+        elif layer.kind == _RELU:
+            g = aten.threshold_backward(g, keep, 0)
+        elif layer.kind == _FLATTEN:
+            g = g.reshape(keep)
+        elif layer.kind == _CONV:
+            m = layer.module
+            weight = params[layer.weight]
+            has_bias = layer.bias >= 0
+            parts = [aten.convolution_backward(g[k], keep[k], weight[k], [m.out_channels] if has_bias else None,
+                                               list(m.stride), list(m.padding), list(m.dilation), False, [0, 0],
+                                               m.groups, [needs_input, True, has_bias])
+                     for k in range(members)]
+            below = torch.stack([p[0] for p in parts]) if needs_input else None
+            spend(layer.weight, 0, members, torch.stack([p[1] for p in parts]))
+            if has_bias:
+                spend(layer.bias, 0, members, torch.stack([p[2] for p in parts]))
+            g = below
+        else:  # _POOL
+            folded, indices = keep
+            examples = g.shape[1]
+            g = aten.max_pool2d_with_indices_backward(g.reshape(members * examples, *g.shape[2:]), folded,
+                                                      *_pool_args(layer.module), indices)
+            g = g.view(members, examples, *g.shape[1:])
+        if i == plan.first_with_parameters:
+            break  # nothing before it has parameters
+
+
+def _loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, mean: bool):
+    """Each member's cross-entropy (mean or sum over its examples) and the logits'
+    gradient, as F.cross_entropy and its backward compute them for one client."""
+    members, examples, classes = logits.shape
+    logp = torch.log_softmax(logits.reshape(members * examples, classes), 1)
+    flat_targets = targets.reshape(-1)
+    seed = torch.zeros_like(logp)
+    # nll_loss's gradient: -(grad / total weight) at each target, the division in float32.
+    value = -(torch.tensor(1.0) / torch.tensor(float(examples))) if mean else torch.tensor(-1.0)
+    seed[torch.arange(members * examples, device=logp.device), flat_targets] = value.to(logp.device)
+    grad = aten._log_softmax_backward_data(seed, logp, 1, logp.dtype).view(members, examples, classes)
+    with torch.no_grad():
+        if examples == 1:  # the mean or sum of one value is the value
+            losses = list(-logp.gather(1, flat_targets.unsqueeze(1)).view(members))
+        else:
+            per_member = logp.view(members, examples, classes)
+            losses = [F.nll_loss(per_member[k], targets[k], reduction="mean" if mean else "sum")
+                      for k in range(members)]
+    return losses, grad
+
+
+# --- chunks ----------------------------------------------------------------------------
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes a chunk of members may take on ``device``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_MEMORY_FRACTION)
+    return CPU_MEMORY_BYTES
+
+
+def chunks(plan: _Plan, members: list[Member], examples_per_step: Callable[[Member], int], copies: int,
+           memory_bytes: int) -> list[list[int]]:
+    """Members' indices in chunks that fit ``memory_bytes``: ``copies`` model-sized tensors
+    per member, and its step's activations and their gradients."""
+    out: list[list[int]] = []
+    chunk: list[int] = []
+    used = 0
+    for i, member in enumerate(members):
+        need = 4 * (copies * plan.size + 2 * plan.activation_floats * examples_per_step(member))
+        if chunk and used + need > memory_bytes:
+            out.append(chunk)
+            chunk, used = [], 0
+        chunk.append(i)
+        used += need
+    if chunk:
+        out.append(chunk)
+    return out
+
+
+def _shared_start(members: list[Member]) -> bool:
+    """Whether every member starts from one array (a model sent to many, decoded from one
+    buffer, gives each its own array over the same memory)."""
+    first = members[0].start
+    where = first.__array_interface__["data"][0]
+    return all(m.start is first or (m.start.__array_interface__["data"][0] == where and m.start.shape == first.shape
+                                    and m.start.strides == first.strides and m.start.dtype == first.dtype)
+               for m in members[1:])
+
+
+def _start_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).to(device)
+
+
+# --- the train task ----------------------------------------------------------------------
+
+
+@dataclass
+class _Trainee:
+    """A member's progress through its epochs."""
+
+    member: Member
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    count: int
+    batch: int
+    steps_total: int
+    steps: int = 0
+    order: torch.Tensor | None = None
+    losses: list = field(default_factory=list)
+    epoch_losses: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    def next_batch(self, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its next minibatch, drawn as sgd_epochs draws it: a fresh permutation at each
+        epoch's start, then augmentation per batch, all from its own generator."""
+        per_epoch = -(-self.count // self.batch)
+        within = self.steps % per_epoch
+        if within == 0:
+            self.order = torch.randperm(self.count, generator=self.member.generator).to(self.inputs.device)
+        chosen = self.order[within * self.batch:(within + 1) * self.batch]
+        batch_inputs = self.inputs[chosen]
+        if dataset.augments:
+            batch_inputs = dataset.augment(batch_inputs, self.member.generator)
+        return batch_inputs, self.targets[chosen]
+
+    def batch_size_now(self) -> int:
+        """The size of its next minibatch (an epoch's last may be smaller)."""
+        per_epoch = -(-self.count // self.batch)
+        return min(self.batch, self.count - (self.steps % per_epoch) * self.batch)
+
+    def lr(self) -> float:
+        m = self.member
+        return m.lr / (1.0 + m.lr_decay * (m.start_iteration + self.steps)) if m.lr_decay else m.lr
+
+    def stepped(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss)
+        self.steps += 1
+        if self.steps % -(-self.count // self.batch) == 0:
+            # Read once per epoch: on a GPU, a read per step would wait for every step's kernels.
+            self.epoch_losses = torch.stack(self.losses).tolist()
+            self.losses = []
+
+
+def train(model: nn.Module, members: list[Member], dataset: Dataset,
+          memory_bytes: int | None = None) -> list[TrainResult | None]:
+    """Each member's ``training.client_update`` (E epochs of B-minibatch SGD from its
+    start weights, with its proximal term when ``prox_mu`` > 0), computed together; a
+    member that stopped gets None. ``model`` gives the architecture and the device; its
+    weights are neither read nor changed."""
+    plan = _checked_plan(model, dataset)
+    device = device_of(model)
+    budget = memory_bytes if memory_bytes is not None else memory_budget(device)
+    results: list[TrainResult | None] = [None] * len(members)
+    # Per member: its weights, and its start for the proximal term; gradients are made a
+    # block of members at a time (_backward), not per member.
+    for chunk in chunks(plan, members, lambda m: min(m.batch_size or len(m.y), len(m.y)),
+                        2 if any(m.prox_mu for m in members) else 1, budget):
+        for i, result in zip(chunk, _train_chunk(plan, [members[i] for i in chunk], dataset, device)):
+            results[i] = result
+    return results
+
+
+def _checked_plan(model: nn.Module, dataset: Dataset) -> _Plan:
+    plan = plan_of(model, dataset)
+    if isinstance(plan, str):
+        raise ValueError(f"cannot train this model as a cohort: {plan}")
+    return plan
+
+
+def _train_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: torch.device):
+    trainees = []
+    for m in members:
+        count = _check_local_data(m.x, m.y)
+        if m.epochs <= 0:
+            raise ValueError(f"epochs must be positive, got {m.epochs}")
+        if m.batch_size is not None and m.batch_size < 0:
+            raise ValueError(f"batch_size must be None, 0 or positive, got {m.batch_size}")
+        batch = count if not m.batch_size else min(m.batch_size, count)
+        trainees.append(_Trainee(m, dataset.inputs(m.x, train=True).to(device), dataset.targets(m.y).to(device),
+                                 count, batch, m.epochs * -(-count // batch)))
+    size = len(members)
+    flat = plan.stacked(size, device)
+    weights = plan.views(flat)
+    shared = _shared_start(members)
+    starts: list[torch.Tensor] | None = None  # each member's w_t: the first step's and the proximal term's
+    if shared:
+        starts = plan.expanded(_start_tensor(members[0].start, device), size)
+    else:
+        for k, m in enumerate(members):
+            flat[k] = torch.from_numpy(np.asarray(m.start, dtype=np.float32)).to(device)
+        if any(m.prox_mu for m in members):
+            starts = plan.views(plan.stacked(size, device).copy_(flat))
+    first = True
+    while True:
+        groups: dict[int, list[int]] = {}  # members by the size of their next minibatch
+        for k, t in enumerate(trainees):
+            if t.stopped or t.steps >= t.steps_total:
+                continue
+            if t.member.stopped():
+                t.stopped = True
+                continue
+            groups.setdefault(t.batch_size_now(), []).append(k)
+        if not groups:
+            break
+        for rows in groups.values():
+            for lo, hi in _runs(rows):
+                _train_step(plan, weights, starts, lo, hi, trainees[lo:hi], dataset, from_start=shared and first)
+        first = False
+    out = []
+    for k, t in enumerate(trainees):
+        if t.stopped or t.member.stopped():
+            out.append(None)
+            continue
+        out.append(TrainResult(weights=flat[k].cpu().numpy(), num_samples=t.count,
+                               train_loss=float(np.mean(t.epoch_losses)), steps=t.steps))
+    return out
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Increasing indices as [lo, hi) runs of consecutive ones: each run's rows are one
+    view of the stacked weights, with no gathering."""
+    runs = []
+    lo = prev = rows[0]
+    for k in rows[1:]:
+        if k != prev + 1:
+            runs.append((lo, prev + 1))
+            lo = k
+        prev = k
+    runs.append((lo, prev + 1))
+    return runs
+
+
+def _rows(params: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Members lo..hi-1 of each stacked parameter (of a shared one, expanded: any rows)."""
+    return [p[:hi - lo] if p.stride(0) == 0 else p[lo:hi] for p in params]
+
+
+def _train_step(plan: _Plan, weights: list[torch.Tensor], starts: list[torch.Tensor] | None, lo: int, hi: int,
+                trainees: list[_Trainee], dataset: Dataset, from_start: bool) -> None:
+    """One SGD step of members lo..hi-1, whose minibatches have one size, as sgd_epochs
+    takes it for each: forward, the loss's gradient, the proximal term, then
+    param += -lr * grad. ``from_start``: they all stand at one shared model (their first
+    step), which is read, not copied, and the step writes their own weights."""
+    batches = [t.next_batch(dataset) for t in trainees]
+    x = torch.stack([b[0] for b in batches])
+    y = torch.stack([b[1] for b in batches])
+    target = _rows(weights, lo, hi)
+    source = _rows(starts, lo, hi) if from_start else target
+    anchors = _rows(starts, lo, hi) if starts is not None else None
+    rates = [-t.lr() for t in trainees]
+    mus = [t.member.prox_mu for t in trainees]
+
+    def spend(index: int, first: int, end: int, grad: torch.Tensor) -> None:
+        if any(mus[first:end]):  # FedProx: mu (w - w_t) joins the gradient
+            difference = source[index][first:end] - anchors[index][first:end]
+            _each(grad, difference, mus[first:end], lambda g, d, mu: g.add_(d, alpha=mu))
+        _each(target[index][first:end], (source[index][first:end], grad), rates[first:end],
+              lambda out, pair, rate: torch.add(pair[0], pair[1], alpha=rate, out=out))
+
+    with torch.no_grad():
+        logits, saved = _forward(plan, source, x)
+        losses, grad = _loss_and_grad(logits, y, mean=True)
+        _backward(plan, source, saved, grad, spend)
+    for t, loss in zip(trainees, losses):
+        t.stepped(loss)
+
+
+def _each(target: torch.Tensor, other, scalars: list[float], op) -> None:
+    """``op(target, other, scalar)`` for members' rows: once for all when their scalars
+    agree (the usual case), else member by member (an elementwise op gives the same
+    bits either way)."""
+    if all(s == scalars[0] for s in scalars):
+        op(target, other, scalars[0])
+        return
+    for k, scalar in enumerate(scalars):
+        op(target[k], tuple(o[k] for o in other) if isinstance(other, tuple) else other[k], scalar)
+
+
+# --- the gradient task -------------------------------------------------------------------
+
+
+def gradients(model: nn.Module, members: list[Member], dataset: Dataset,
+              memory_bytes: int | None = None) -> list[tuple[np.ndarray, float] | None]:
+    """Each member's ``training.local_gradient`` at its start weights: (the flat gradient
+    of its mean loss, that loss), computed together; None for a member that stopped."""
+    plan = _checked_plan(model, dataset)
+    device = device_of(model)
+    budget = memory_bytes if memory_bytes is not None else memory_budget(device)
+    results: list = [None] * len(members)
+    for chunk in chunks(plan, members, lambda m: min(len(m.y), _FULL_PASS_CHUNK), 2, budget):
+        for i, result in zip(chunk, _gradient_chunk(plan, [members[i] for i in chunk], dataset, device)):
+            results[i] = result
+    return results
+
+
+def _gradient_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: torch.device) -> list:
+    counts = [_check_local_data(m.x, m.y) for m in members]
+    targets = [dataset.targets(m.y).to(device) for m in members]
+    size = len(members)
+    sums = plan.stacked(size, device)  # each member's gradient of its summed loss
+    sum_views = plan.views(sums)
+    weights = _stacked_starts(plan, members, device)
+    losses = [0.0] * size
+    stopped = [False] * size
+    for start in range(0, max(counts), _FULL_PASS_CHUNK):
+        groups: dict[int, list[int]] = {}  # members by the size of this piece of their data
+        for k, m in enumerate(members):
+            if stopped[k] or counts[k] <= start:
+                continue
+            if m.stopped():
+                stopped[k] = True
+                continue
+            groups.setdefault(min(_FULL_PASS_CHUNK, counts[k] - start), []).append(k)
+        for piece, rows in groups.items():
+            for lo, hi in _runs(rows):
+                x = torch.stack([dataset.inputs(members[k].x[start:start + piece]).to(device) for k in range(lo, hi)])
+                y = torch.stack([targets[k][start:start + piece] for k in range(lo, hi)])
+                target = _rows(sum_views, lo, hi)
+
+                def spend(index: int, first: int, end: int, grad: torch.Tensor, target=target) -> None:
+                    # The first piece's gradient is the gradient; later ones add to it (autograd's accumulation).
+                    (target[index][first:end].copy_ if start == 0 else target[index][first:end].add_)(grad)
+
+                with torch.no_grad():
+                    logits, saved = _forward(plan, _rows(weights, lo, hi), x)
+                    piece_losses, grad = _loss_and_grad(logits, y, mean=False)
+                    _backward(plan, _rows(weights, lo, hi), saved, grad, spend)
+                for k, loss in zip(range(lo, hi), piece_losses):
+                    losses[k] += loss.item()
+    out = []
+    for k, m in enumerate(members):
+        if stopped[k] or m.stopped():
+            out.append(None)
+            continue
+        gradient = sums[k].div_(counts[k])  # over the scored targets: every one (no ignored label here)
+        out.append((gradient.cpu().numpy(), losses[k] / counts[k]))
+    return out
+
+
+def _stacked_starts(plan: _Plan, members: list[Member], device: torch.device) -> list[torch.Tensor]:
+    """Each member's start weights as (members, *shape) parameters: one model expanded
+    when they share it, else their own rows."""
+    if _shared_start(members):
+        return plan.expanded(_start_tensor(members[0].start, device), len(members))
+    flat = plan.stacked(len(members), device)
+    for k, m in enumerate(members):
+        flat[k] = torch.from_numpy(np.asarray(m.start, dtype=np.float32)).to(device)
+    return plan.views(flat)
+
+
+# --- the SVRG task ---------------------------------------------------------------------------
+
+
+def svrg(model: nn.Module, members: list[Member], dataset: Dataset,
+         memory_bytes: int | None = None) -> list[TrainResult | None]:
+    """Each member's ``training.svrg_pass`` (one variance-reduced pass, a step per example
+    in its own order, stepsize ``stepsize`` / n_k), computed together; None for a member
+    that stopped. Members of one size take their steps side by side."""
+    why = svrg_problem(model, dataset)
+    if why:
+        raise ValueError(f"cannot run SVRG's pass as a cohort: {why}")
+    plan = plan_of(model, dataset)
+    device = device_of(model)
+    budget = memory_bytes if memory_bytes is not None else memory_budget(device)
+    results: list = [None] * len(members)
+    by_size: dict[int, list[int]] = {}
+    for i, m in enumerate(members):
+        by_size.setdefault(_check_local_data(m.x, m.y), []).append(i)
+    for count, indices in by_size.items():
+        for chunk in chunks(plan, [members[i] for i in indices], lambda m: count, 3, budget):
+            chosen = [indices[i] for i in chunk]
+            for i, result in zip(chosen, _svrg_chunk(plan, [members[i] for i in chosen], count, dataset, device)):
+                results[i] = result
+    return results
+
+
+def _mlp_pass(plan: _Plan, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+    """training._mlp_backward for each member: the Linear layers' inputs and output
+    gradients of the per-example cross-entropy (not averaged), and the losses."""
+    linears = [layer for layer in plan.layers if layer.kind == _LINEAR]
+    members, examples = x.shape[:2]
+    inputs, pre = [], []
+    a = x.reshape(members, examples, -1)
+    for j, layer in enumerate(linears):
+        inputs.append(a)
+        z = torch.baddbmm(params[layer.bias].unsqueeze(1), a, params[layer.weight].transpose(1, 2))
+        pre.append(z)
+        a = torch.relu(z) if j < len(linears) - 1 else z
+    classes = a.shape[-1]
+    losses = F.cross_entropy(a.reshape(-1, classes), y.reshape(-1), reduction="none").view(members, examples)
+    dz = torch.softmax(a, dim=2)
+    dz.view(-1, classes)[torch.arange(members * examples, device=dz.device), y.reshape(-1)] -= 1.0
+    grads: list = [None] * len(linears)
+    for j in range(len(linears) - 1, -1, -1):
+        grads[j] = dz
+        if j:
+            dz = torch.bmm(dz, params[linears[j].weight]) * (pre[j - 1] > 0)
+    return linears, inputs, grads, losses
+
+
+def _svrg_chunk(plan: _Plan, members: list[Member], count: int, dataset: Dataset, device: torch.device):
+    size = len(members)
+    inputs = torch.stack([dataset.inputs(m.x).to(device) for m in members])
+    targets = torch.stack([dataset.targets(m.y).to(device) for m in members])
+    starts = _stacked_starts(plan, members, device)
+    full = _stacked_starts(plan, [Member(m.x, m.y, _checked_full_gradient(m, plan.size)) for m in members], device)
+    rates = [m.stepsize / count for m in members]  # h_k = stepsize / n_k
+    orders = torch.stack([torch.randperm(count, generator=m.generator) for m in members]).to(device)
+    with torch.no_grad():
+        # Each member's per-example gradients at w_t, for all its examples at once.
+        linears, anchor_a, anchor_dz, _ = _mlp_pass(plan, starts, inputs, targets)
+        flat = plan.stacked(size, device)
+        weights = plan.views(flat)
+        for target, start in zip(weights, starts):
+            target.copy_(start)
+        losses: list[list] = [[] for _ in members]
+        stopped = [False] * size
+        every = torch.arange(size, device=device)
+        for step in range(count):
+            rows = [k for k in range(size) if not stopped[k]]
+            for k in rows:
+                if members[k].stopped():
+                    stopped[k] = True
+            rows = [k for k in rows if not stopped[k]]
+            if not rows:
+                break
+            chosen = orders[:, step]
+            for lo, hi in _runs(rows):
+                picked = chosen[lo:hi]
+                x = inputs[every[lo:hi], picked].unsqueeze(1)
+                y = targets[every[lo:hi], picked].unsqueeze(1)
+                params = _rows(weights, lo, hi)
+                _, a, dz, loss = _mlp_pass(plan, params, x, y)
+                for j, layer in enumerate(linears):
+                    weight, bias = params[layer.weight], params[layer.bias]
+                    a0 = anchor_a[j][every[lo:hi], picked]
+                    dz0 = anchor_dz[j][every[lo:hi], picked]
+                    full_w, full_b = _rows(full, lo, hi)[layer.weight], _rows(full, lo, hi)[layer.bias]
+                    h = rates[lo:hi]
+                    # As _svrg_mlp: w += -h G, then w += -h outer(dz, a) and w += h outer(dz0, a0) by
+                    # addr_ itself, member by member: no batched op rounds its tails as it does.
+                    _each(weight, full_w, [-r for r in h], lambda w, g, r: w.add_(g, alpha=r))
+                    for k in range(hi - lo):
+                        weight[k].addr_(dz[j][k, 0], a[j][k, 0], alpha=-h[k]).addr_(dz0[k], a0[k], alpha=h[k])
+                    _each(bias, full_b, [-r for r in h], lambda b, g, r: b.add_(g, alpha=r))
+                    _each(bias, dz[j][:, 0], h, lambda b, d, r: b.sub_(d, alpha=r))
+                    _each(bias, dz0, h, lambda b, d, r: b.add_(d, alpha=r))
+                for k, value in zip(range(lo, hi), loss[:, 0].tolist()):
+                    losses[k].append(value)
+    out = []
+    for k, m in enumerate(members):
+        if stopped[k] or m.stopped():
+            out.append(None)
+            continue
+        out.append(TrainResult(weights=flat[k].cpu().numpy(), num_samples=count,
+                               train_loss=float(np.mean(losses[k])), steps=count))
+    return out
+
+
+def _checked_full_gradient(member: Member, size: int) -> np.ndarray:
+    full = np.asarray(member.full_gradient, dtype=np.float32)
+    if full.shape != (size,):
+        raise ValueError(f"full gradient has {full.size} values, the model {size}")
+    return full
