@@ -351,6 +351,37 @@ def test_an_asynchronous_job_whose_task_ended_while_it_waited_is_dropped():
     assert isinstance(upload, Upload) and upload.base == 2 and client.trainings_stopped == 0
 
 
+def test_a_device_that_went_offline_and_came_back_while_its_job_waited_trains_again():
+    """Wall clock: a client hands its local update to the trainer; before the trainer runs,
+    the client handles its device going offline and coming back. The trainer's work is
+    lost (the device was offline during it), and since the comeback was already handled,
+    the client starts its next training then, not never."""
+    images, labels = _data(20)
+    cache = _ModelCache()
+    trainer = CohortTrainer(cache)
+    trainer.pid = Pid("worker-0", 2)
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
+                    cache, trainer=trainer)
+    device, trainer_proc = Hands(CLIENT), Hands(trainer.pid)
+    weights = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    client.handle(device, Message(SERVER, TaskStart(rule="fedbuff", weights=weights, age=0, epochs=1, batch_size=10,
+                                                    lr=0.1, lr_decay=0.0, seed=RUN_SEED, uploads_delta=True,
+                                                    model=1)))
+    assert len(device.handed) == 1
+    device.offline, device.offline_count = True, 1
+    client.link_changed(device, True)
+    device.offline = False
+    client.link_changed(device, False)
+    trainer.handle(trainer_proc, Message(CLIENT, device.handed.pop()))
+    trainer.drained(trainer_proc)
+    assert client.trainings_stopped == 1 and not [m for m in device.sent if isinstance(m, Upload)]
+    (again,) = device.handed  # the next training, handed to the trainer in turn
+    trainer.handle(trainer_proc, Message(CLIENT, again))
+    trainer.drained(trainer_proc)
+    (upload,) = [m for m in device.sent if isinstance(m, Upload)]
+    assert upload.base == 1
+
+
 # --- real runs: nothing changes but speed ------------------------------------------------------
 
 

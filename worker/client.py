@@ -420,6 +420,11 @@ class Client(Behaviour):
             return
         if result is None or job.went_offline():
             self._lose_local_update("during training")
+            if not job.proc.offline:
+                # Back online already: the comeback was handled while the job waited at the
+                # trainer, so nothing else would start the next training.
+                self._stopped = False
+                self._train_async(job.proc)
             return
         self.iterations += result.steps
         self._weights, self._loss = result.weights, result.train_loss
