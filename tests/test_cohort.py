@@ -28,7 +28,7 @@ from fedemu.worker.ml import cohort, models, training
 from fedemu.worker.ml.data import Data
 from fedemu.worker.ml.datasets import get as dataset_named
 from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import SVRG, TRAIN, TaskDone, TaskStart, TrainRequest, Upload
+from fedemu.worker.protocol import SVRG, TRAIN, Cancel, TaskDone, TaskStart, TrainRequest, Upload
 
 from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
 
@@ -380,6 +380,27 @@ def test_a_device_that_went_offline_and_came_back_while_its_job_waited_trains_ag
     trainer.drained(trainer_proc)
     (upload,) = [m for m in device.sent if isinstance(m, Upload)]
     assert upload.base == 1
+
+
+def test_a_round_cancelled_while_its_job_waited_sends_no_reply():
+    """Over-selection: a client hands its round's training to the trainer and then handles
+    the Cancel that closes the round without it (the Cancel is no longer in its mailbox
+    when the trainer runs). The trainer's output is dropped: no late reply is sent."""
+    images, labels = _data(20)
+    cache = _ModelCache()
+    trainer = CohortTrainer(cache)
+    trainer.pid = Pid("worker-0", 2)
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
+                    cache, trainer=trainer)
+    device, trainer_proc = Hands(CLIENT), Hands(trainer.pid)
+    weights = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    client.handle(device, Message(SERVER, TrainRequest(round=3, task=TRAIN, weights=weights, epochs=1, batch_size=10,
+                                                       lr=0.1, seed=1)))
+    client.handle(device, Message(SERVER, Cancel(3)))
+    (job,) = device.handed
+    trainer.handle(trainer_proc, Message(CLIENT, job))
+    trainer.drained(trainer_proc)
+    assert not device.sent and client.trainings_stopped == 1
 
 
 # --- real runs: nothing changes but speed ------------------------------------------------------
