@@ -110,6 +110,8 @@ def _as_it_runs(config: dict) -> dict:
     default profile said, not left implicit."""
     import copy
 
+    from . import config as configuration
+
     shown = copy.deepcopy(config)
     for key in configuration.ineffective_keys(config):
         section, _, name = key.partition(".")

@@ -15,6 +15,24 @@ def test_default_is_the_papers_setting():
     assert (c["algorithm"]["C"], c["algorithm"]["E"], c["algorithm"]["B"]) == (0.1, 1, 10)
 
 
+def test_the_runs_liveness_defaults_are_the_runtimes():
+    """Stated twice on purpose (the config file a user reads, the runtime's own defaults):
+    they must agree."""
+    from fedemu.node.control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
+
+    run = config.load(None)["run"]
+    assert (run["heartbeat_interval_s"], run["heartbeat_timeout_s"]) == (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S)
+
+
+def test_fedemu_check_prints_the_config_as_the_run_uses_it():
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "check", "--set", "algorithm.name=coop"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shown = tomllib.loads(done.stdout[:done.stdout.index("ok: the config is valid")])
+    assert shown["algorithm"]["name"] == "coop" and "deadline_s" not in shown["algorithm"]  # a round-based key
+    assert shown["network"]["default_profile"] == "ideal"
+
+
 def test_file_then_overrides(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[algorithm]\nE = 5\n[model]\nname = "cnn"\n')
