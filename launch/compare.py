@@ -29,7 +29,7 @@ from . import config as configuration
 from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
-from .results import (ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, Run, flat, is_sweep, load_record, load_run,
+from .results import (ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, flat, is_sweep, load_record, load_run,
                       load_sweep, time_to_target)
 
 
@@ -65,8 +65,8 @@ class Result:
     rope: float = 0.01  # in the metric's unit
 
 
-def collect(paths: list[str | Path], where: list[str] = ()) -> list[Run]:
-    runs: list[Run] = []
+def collect(paths: list[str | Path], where: list[str] = ()) -> list[RunRecord]:
+    runs: list[RunRecord] = []
     for p in map(Path, paths):
         if is_sweep(p):
             data = load_sweep(p)
@@ -99,7 +99,7 @@ def _same(value, raw: str) -> bool:
     return value == parsed
 
 
-def metric_value(run: Run, metric: str, target: float | None, unreached: str = "error") -> float | None:
+def metric_value(run: RunRecord, metric: str, target: float | None, unreached: str = "error") -> float | None:
     """A run's figure for ``metric``: from its summary (accuracy), or its curve (to a
     target; None for a run that never reached it, with ``unreached="drop"``)."""
     if metric in ACCURACY_METRICS:
@@ -123,7 +123,7 @@ def metric_value(run: Run, metric: str, target: float | None, unreached: str = "
                        "(leave its pair out) or --unreached budget (what it spent in all: a lower bound)")
 
 
-def paired(runs: list[Run], by: str, metric: str, target: float | None = None,
+def paired(runs: list[RunRecord], by: str, metric: str, target: float | None = None,
            unreached: str = "error") -> tuple[dict[str, dict[tuple, float]], int, int]:
     """{group: {(seed, fold): metric}}, repetitions, folds. Refuses groups whose runs
     differ in anything but the repetition keys, naming the key."""
@@ -138,7 +138,7 @@ def paired(runs: list[Run], by: str, metric: str, target: float | None = None,
     runs = [r for r in runs if r.status == "completed"]
     if not runs:
         raise CompareError("no completed run to compare" + (f" ({len(skipped)} not completed)" if skipped else ""))
-    groups: dict[str, list[Run]] = {}
+    groups: dict[str, list[RunRecord]] = {}
     for r in runs:
         groups.setdefault(fmt(flat(r.config).get(by)), []).append(r)
     if len(groups) < 2:
@@ -213,7 +213,7 @@ def test(x: np.ndarray, y: np.ndarray, rope: float, runs: int) -> tuple[float, f
     return p_left, p_rope, p_right, posterior
 
 
-def compare(runs: list[Run], by: str = ALGORITHM_KEY, metric: str = "final_accuracy",
+def compare(runs: list[RunRecord], by: str = ALGORITHM_KEY, metric: str = "final_accuracy",
             rope: float | None = 0.01, target: float | None = None,
             unreached: str = "error") -> tuple[list[Result], list[str], str]:
     """Every pair of groups; returns (results, group names, a note on the design).

@@ -10,7 +10,7 @@ from pathlib import Path
 from .labels import short
 from .report_figures import plot_runs, plot_sweep_axes, plot_sweep_curves
 from .report_tables import markdown_table, run_head, run_rows, summary_rows
-from .results import REPEAT_KEYS, ReportError, Run, SweepData, differing_keys, is_sweep, load_run, load_sweep
+from .results import REPEAT_KEYS, ReportError, RunRecord, SweepData, differing_keys, is_sweep, load_run, load_sweep
 
 
 def report(paths: list[str | Path], out: str | Path | None = None, target: float | None = None,
@@ -57,7 +57,7 @@ def _images(paths: list[Path], root: Path) -> list[str]:
     return [f"![{p.stem}]({p.relative_to(root)})" for p in first.values()]
 
 
-def _runs_section(runs: list[Run], target: float, sub: Path, root: Path, formats) -> list[str]:
+def _runs_section(runs: list[RunRecord], target: float, sub: Path, root: Path, formats) -> list[str]:
     keys = differing_keys([r.config for r in runs])
     md = [f"## {len(runs)} run(s)", ""]
     figures = plot_runs(runs, sub, formats) if any(len(r.curve) for r in runs) else []

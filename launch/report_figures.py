@@ -10,7 +10,7 @@ import numpy as np
 
 from .labels import algorithm_label, fmt, short
 from .report_groups import Cell, algorithms, axis_values, combinations, condition_axes, matches, metric
-from .results import REPEAT_KEYS, X_AXES, Run, SweepData, differing_keys, flat, x_label
+from .results import REPEAT_KEYS, X_AXES, RunRecord, SweepData, differing_keys, flat, x_label
 
 
 def pyplot():
@@ -59,7 +59,7 @@ def _integer_ticks(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def run_labels(runs: list[Run]) -> list[str]:
+def run_labels(runs: list[RunRecord]) -> list[str]:
     """Legend labels naming only what differs between the runs (a key a run does not
     have is left out of its label, not shown as None); the run's folder where nothing
     does, or where that would still not tell two runs apart."""
@@ -84,7 +84,7 @@ def _legend_below(fig, ax, count: int) -> None:
                    frameon=False)
 
 
-def plot_runs(runs: list[Run], out: Path, formats=("png", "svg"), title: str = "") -> list[Path]:
+def plot_runs(runs: list[RunRecord], out: Path, formats=("png", "svg"), title: str = "") -> list[Path]:
     """One figure per x axis (one line per run, labelled by what differs; dotted while a
     run is unfinished), then the test loss, each round's emulated duration, and each
     round's participation by outcome (a panel per run)."""
@@ -123,7 +123,7 @@ def plot_runs(runs: list[Run], out: Path, formats=("png", "svg"), title: str = "
                                                                                                formats)
 
 
-def plot_round_durations(runs: list[Run], labels: list[str], colors: dict, out: Path, formats) -> list[Path]:
+def plot_round_durations(runs: list[RunRecord], labels: list[str], colors: dict, out: Path, formats) -> list[Path]:
     """Each round's emulated duration: where a network's effect shows when every round
     waits for its deadline."""
     drawn = [(r, label) for r, label in zip(runs, labels) if r.series is not None and np.isfinite(r.series.duration_s).any()]
@@ -158,7 +158,7 @@ def _stacked_outcomes(ax, rounds: np.ndarray, outcomes: dict[str, np.ndarray]) -
         bottom = bottom + counts
 
 
-def plot_participation(runs: list[Run], labels: list[str], out: Path, formats) -> list[Path]:
+def plot_participation(runs: list[RunRecord], labels: list[str], out: Path, formats) -> list[Path]:
     """Each round's selected clients by what happened to them (stacked), a panel per
     round-based run whose log counts outcomes."""
     drawn = [(r, label) for r, label in zip(runs, labels) if r.series is not None and r.series.outcomes]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .results import ALGORITHM_KEY, REPEAT_KEYS, Run, SweepData, time_to_target
+from .results import ALGORITHM_KEY, REPEAT_KEYS, RunRecord, SweepData, time_to_target
 
 
 def condition_axes(data: SweepData) -> list[str]:
@@ -37,7 +37,7 @@ def combinations(data: SweepData, keys: list[str]) -> list[dict]:
     return combos
 
 
-def matches(run: Run, combo: dict) -> bool:
+def matches(run: RunRecord, combo: dict) -> bool:
     return all(_value_key(run.params.get(k)) == _value_key(v) for k, v in combo.items())
 
 
@@ -59,7 +59,7 @@ class Cell:
         return float(np.mean(self.reached)) if self.reached else None
 
 
-def metric(run: Run, name: str, target: float) -> float | None:
+def metric(run: RunRecord, name: str, target: float) -> float | None:
     if name == "final_accuracy":
         v = run.final_accuracy()
         return None if v is None else v * 100

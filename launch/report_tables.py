@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .labels import algorithm_label, fmt, short
 from .report_groups import Cell, algorithms, combinations, condition_axes, matches, metric
-from .results import Run, SweepData, flat, times_to_target
+from .results import RunRecord, SweepData, flat, times_to_target
 
 
 def _cell(v, digits: int = 2) -> str:
@@ -13,7 +13,7 @@ def _cell(v, digits: int = 2) -> str:
     return f"{v:.{digits}f}"
 
 
-def run_rows(runs: list[Run], target: float, keys: list[str]) -> list[list[str]]:
+def run_rows(runs: list[RunRecord], target: float, keys: list[str]) -> list[list[str]]:
     rows = []
     for r in runs:
         tt = times_to_target(r.curve, target) if target else {}

@@ -14,6 +14,7 @@ import json
 import math
 import sqlite3
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,7 +145,10 @@ def times_to_target(c: Curve, target: float) -> dict[str, float | None]:
 
 
 @dataclass
-class Run:
+class RunRecord:
+    """A run as read back from its directory or a sweep's record (what reports and
+    comparisons work on); a run being launched is launch.api's Run."""
+
     path: Path
     config: dict
     summary: dict | None
@@ -199,7 +203,7 @@ def with_current_defaults(config: dict) -> dict:
     return config
 
 
-def load_run(path: str | Path, params: dict | None = None) -> Run:
+def load_run(path: str | Path, params: dict | None = None) -> RunRecord:
     path = Path(path)
     if not (path / "config.toml").exists():
         raise ReportError(f"{path} is not a run directory (no config.toml)")
@@ -207,10 +211,10 @@ def load_run(path: str | Path, params: dict | None = None) -> Run:
     summary = json.loads((path / SUMMARY).read_text()) if (path / SUMMARY).exists() else None
     scale = config.get("run", {}).get("time_scale", 1.0)
     events = read_events(path) if (path / EVENTS).exists() else []
-    return Run(path, config, summary, curve(events, scale), dict(params or {}), round_series(events))
+    return RunRecord(path, config, summary, curve(events, scale), dict(params or {}), round_series(events))
 
 
-def load_record(path: str | Path) -> Run:
+def load_record(path: str | Path) -> RunRecord:
     """A run kept as one JSON file, ``{"config": {...}, "summary": {...}, ...}``, as
     bench/nilsson_table1.py keeps its runs in the repository: enough to compare (no
     curve; the run directory is gone)."""
@@ -222,7 +226,7 @@ def load_record(path: str | Path) -> Run:
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict) \
             or not isinstance(record.get("summary"), dict):
         raise ReportError(f"{path}: a run record needs a 'config' and a 'summary' object")
-    return Run(path, with_current_defaults(record["config"]), record["summary"], curve([]))
+    return RunRecord(path, with_current_defaults(record["config"]), record["summary"], curve([]))
 
 
 def flat(config: dict, prefix: str = "") -> dict:
@@ -250,11 +254,11 @@ class SweepData:
     axes: list[str]          # axis keys in grid order
     groups: list[list[str]]  # axes that move together ([[zip]]) share a group
     target: float            # accuracy for time-to-target
-    runs: list[Run]          # points with a run directory
+    runs: list[RunRecord]          # points with a run directory
     rows: list[dict]         # every row of the index
 
     @property
-    def completed(self) -> list[Run]:
+    def completed(self) -> list[RunRecord]:
         """Runs that finished: the only ones a final or time-to-target figure may use."""
         return [r for r in self.runs if r.status == "completed"]
 
@@ -296,8 +300,8 @@ def evaluation_records(paths: list[str | Path]) -> list[dict]:
     status, its algorithm, the keys that vary (a sweep's axes; between loose runs, the
     config keys that differ), then the evaluation. ``emulated_s`` counts from the run's
     start; ``wall_s`` is the host's seconds since the server started."""
-    groups: list[tuple[list[Run], list[str]]] = []
-    loose: list[Run] = []
+    groups: list[tuple[list[RunRecord], list[str]]] = []
+    loose: list[RunRecord] = []
     for path in map(Path, paths):
         if is_sweep(path):
             sweep = load_sweep(path)
@@ -345,3 +349,10 @@ def write_csv(records: list[dict], out) -> None:
 
 def _cell(value):
     return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def __getattr__(name: str):
+    if name == "Run":  # its name until it was told apart from launch.api.Run
+        warnings.warn("fedemu.launch.results.Run is now RunRecord", DeprecationWarning, stacklevel=2)
+        return RunRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,9 +28,9 @@ def wall_broker(network: dict, num_clients: int = 2) -> tuple[Broker, Outbox]:
     broker = Broker("tcp://127.0.0.1:0", network=spec, clock="wall")
     outbox = Outbox(broker)
     for node in ("srv", "cli"):
-        broker.registry.join(node.encode(), node, known=False)
-    broker.registry.register(b"srv", Pid("srv", 0), [["server", Pid("srv", 1), None]])
-    broker.registry.register(b"cli", Pid("cli", 0), [["client/0", Pid("cli", 1), 0]])
+        broker.members.join(node.encode(), node, known=False)
+    broker.members.register(b"srv", Pid("srv", 0), [["server", Pid("srv", 1), None]])
+    broker.members.register(b"cli", Pid("cli", 0), [["client/0", Pid("cli", 1), 0]])
     return broker, outbox
 
 

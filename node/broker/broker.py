@@ -4,7 +4,7 @@ Every message between nodes passes here. The broker unpacks only the small heade
 frame, so its cost per message does not grow with the payload. It is one socket and
 its serve loop (this module) holding collaborators, each with one job:
 
-* ``registry`` (registry.py): the nodes and their liveness, the global names, the
+* ``members`` (membership.py): the nodes and their liveness, the global names, the
   links' owners;
 * ``links`` (net/emulator.py): the link emulator: every client link's state, how each
   message crosses its link, the network's own changes, and the books;
@@ -36,11 +36,12 @@ import zmq
 from .. import wire
 from ..net.emulator import LinkEmulator
 from ..net.links import NetworkSpec
+from ..control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..security import Admission, RunKeys
 from ..wire import CTL, Pid, WireError
 from .control_ops import BrokerControl
 from .network_changes import NetworkChanges
-from .registry import Registry
+from .membership import Membership
 from .routing import Router
 from .timebase import VirtualTimebase, WallTimebase
 
@@ -75,8 +76,8 @@ class Broker:
         self,
         bind: str,
         *,
-        heartbeat_interval: float = 0.5,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         network: NetworkSpec | None = None,
         keys: RunKeys | None = None,
@@ -110,7 +111,7 @@ class Broker:
         self.links = LinkEmulator(network)
         self.time = (VirtualTimebase(self) if clock == "virtual"
                      else WallTimebase(self, network.time_scale if network is not None else 1.0))
-        self.registry = Registry(self)
+        self.members = Membership(self)
         self.changes = NetworkChanges(self)
         self.router = Router(self)
         self.control = BrokerControl(self)
@@ -149,7 +150,7 @@ class Broker:
                 self.time.step()
                 now = time.monotonic()  # wall: heartbeat bookkeeping
                 if now >= next_check:
-                    self.registry.check_nodes(now)
+                    self.members.check_nodes(now)
                     self._beat(now)
                     self.links.scripted_events(None, self.time.now())
                     next_check = now + self.heartbeat_interval
@@ -167,7 +168,7 @@ class Broker:
         """A heartbeat to every node, unasked: a node's own heartbeat may wait behind
         gigabytes of its uploads in the same stream (5,000 asynchronous clients uploading
         at once), and its answer with it; this one tells the node the broker is alive."""
-        for info in list(self.registry.nodes.values()):
+        for info in list(self.members.nodes.values()):
             self.send_ctl(info.identity, Pid(info.name, 0), {"op": "hb", "now": now})
 
     def _drain(self) -> None:
@@ -218,7 +219,7 @@ class Broker:
         elif kind == "set_links":
             self.changes.set_links(payload)
         elif kind == "disown":
-            self.registry.disown(payload)
+            self.members.disown(payload)
         else:
             raise ValueError(f"unknown input kind {kind!r}")
 
@@ -242,7 +243,7 @@ class Broker:
 
     def send_to(self, node: str, msg: list) -> None:
         """Send ``msg`` to the node named ``node``; nothing if it has left the run."""
-        info = self.registry.nodes.get(node)
+        info = self.members.nodes.get(node)
         if info is not None:
             self.send(info.identity, msg, node)
 

@@ -3,7 +3,7 @@ and their required fields are control.py's table, checked here first).
 
 Apart from routing (routing.py) because these messages are requests to the broker,
 not traffic: each op's handler is short and calls into the part of the broker it
-concerns (the registry, the network, the scheduler), so this module reads as the
+concerns (the members, the network, the scheduler), so this module reads as the
 broker's half of the control protocol.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class BrokerControl:
 
     def handle(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:
         broker = self._broker
-        registry, links, clock = broker.registry, broker.links, broker.time
+        members, links, clock = broker.members, broker.links, broker.time
         body = wire.unpack_body(msg[1].buffer, msg[2:])
         src = header.src
         if not known and not (isinstance(body, dict) and body.get("op") == "hello"):
@@ -54,7 +54,7 @@ class BrokerControl:
             if broker.token is not None and not token_matches(broker.token, body.get("token")):
                 self._refuse(identity, src, "no token" if body.get("token") is None else "a wrong token")
                 return
-            registry.join(identity, src.node, known)
+            members.join(identity, src.node, known)
             broker.send_ctl(identity, src, {
                 "op": "welcome",
                 "heartbeat_interval": broker.heartbeat_interval,
@@ -79,25 +79,25 @@ class BrokerControl:
             # The node times the round trip: its send time echoed, and this clock.
             broker.send_ctl(identity, src, {"op": "hb", "t": body.get("t"), "now": time.monotonic()})  # wall
         elif op == "register":
-            registry.register(identity, src, body.get("entries"))
+            members.register(identity, src, body.get("entries"))
         elif op == "unregister":
             names = body.get("names")
             if not isinstance(names, list):
                 raise WireError("unregister needs a list of names")
             pid = body.get("pid")
             pid = pid if isinstance(pid, Pid) and pid.node == src.node else None
-            registry.unregister(src.node, names, pid)
+            members.unregister(src.node, names, pid)
         elif op == "whereis":
             name = body.get("name")
             if not isinstance(name, str):
                 raise WireError(f"whereis needs a name, not {name!r}")
-            broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": registry.names.get(name)})
+            broker.send_ctl(identity, src, {"op": "reply", "ref": body.get("ref"), "value": members.names.get(name)})
         elif op == "stats":
             value = broker.stats.as_dict(links)
             now = clock.now()
             value["emulated_s"] = round(now, 6)
             if links.active:
-                value["offline"] = links.offline_links(registry.link_of.values(), now)
+                value["offline"] = links.offline_links(members.link_of.values(), now)
             if body.get("timeline"):  # the transfers and device switches since the last asker took them
                 value.update(links.take_timeline())
             if body.get("per_link"):
@@ -119,11 +119,11 @@ class BrokerControl:
             _held_dropped(broker, body.get("counts"))
         elif op == "shutdown":
             log.info("shutdown requested by %s", src)
-            for info in registry.nodes.values():
+            for info in members.nodes.values():
                 broker.send_ctl(info.identity, Pid(info.name, 0), {"op": "shutdown"})
             broker.stop()
         elif op == "bye":
-            registry.forget(src.node, reason=None)
+            members.forget(src.node, reason=None)
 
     def _refuse(self, identity: bytes, src: Pid, what: str) -> None:
         """A hello without the run's token: the process is told, and never joins (so it

@@ -29,14 +29,14 @@ class NetworkChanges:
         if self._links.start_round(round_, self._broker.time.now()):
             self.went_offline()  # the new round's drop-outs
             if self._links.per_round_dropouts:
-                self.check_devices(list(self._broker.registry.owners))
+                self.check_devices(list(self._broker.members.owners))
 
     def set_links(self, body: dict) -> None:
         self._links.set_links(body, self._broker.time.now())
         if body.get("offline") is True:
             self.went_offline()
         if isinstance(body.get("offline"), bool):
-            self.check_devices(list(self._broker.registry.owners))
+            self.check_devices(list(self._broker.members.owners))
 
     def went_offline(self) -> None:
         """After a change that can take clients offline: what is in flight for those now
@@ -54,7 +54,7 @@ class NetworkChanges:
     def clock_moved_devices(self) -> None:
         """Time-based availability changes due by now take effect (devices told)."""
         now = self._broker.time.now()
-        self._tell_devices(self._links.due_device_changes(now, self._broker.registry.owners))
+        self._tell_devices(self._links.due_device_changes(now, self._broker.members.owners))
 
     def owners_joined(self, owned: list[tuple[Pid, int]]) -> None:
         """New owners of links: one of a link already offline (a restarted client) is told at once."""
@@ -64,14 +64,14 @@ class NetworkChanges:
     def check_devices(self, links: Iterable[int]) -> None:
         """Tell the owners of these links (on their nodes) when whether they are offline
         has changed, and schedule a look at the next time-based switch."""
-        changes = self._links.device_changes(links, self._broker.time.now(), self._broker.registry.owners)
+        changes = self._links.device_changes(links, self._broker.time.now(), self._broker.members.owners)
         self._tell_devices(changes)
 
     def _tell_devices(self, changes: list[tuple[int, bool]]) -> None:
         gone = [link for link, offline in changes if offline]
         if gone:  # a device that goes offline takes its connection down with it
             self._links.connections_lost(self._broker.time.now(), gone)
-        owners = self._broker.registry.owners
+        owners = self._broker.members.owners
         self._tell_pids([(pid, offline) for link, offline in changes for pid in owners.get(link, ())])
 
     def _tell_pids(self, changed: list[tuple[Pid, bool]]) -> None:
@@ -80,5 +80,5 @@ class NetworkChanges:
             lists = by_node.setdefault(pid[0], {"offline": [], "online": []})
             lists["offline" if offline else "online"].append(pid[1])
         for node, lists in by_node.items():
-            if node in self._broker.registry.nodes:
+            if node in self._broker.members.nodes:
                 self._broker.time.notify(node, {"op": "availability", **lists})

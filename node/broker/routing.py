@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .. import wire
 from ..net.emulator import PENDING
 from ..wire import BROKER_NODE, CTL, MANY, USER, VERSION, Pid
-from .registry import NodeInfo
+from .membership import NodeInfo
 from .timebase import Parcel
 from .vclock import sender_of
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class Router:
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
-        self._registry = broker.registry
+        self._members = broker.members
         self._links = broker.links
         self._time = broker.time
         # On the wall clock a user message is relayed as it comes; in virtual time it
@@ -36,7 +36,7 @@ class Router:
 
     def on_message(self, identity: bytes, frames: list) -> None:
         """One message from ``identity``: ``frames`` = [header, body, arrays...]."""
-        info = self._registry.by_identity.get(identity)
+        info = self._members.by_identity.get(identity)
         if info is not None and len(frames) >= 2:
             # The fast path: a well-formed user message from a known node (nearly all
             # traffic), checked by wire.user_fields; anything else takes the slow path,
@@ -59,14 +59,14 @@ class Router:
     def _user_now(self, info: NodeInfo, fields: list, frames: list, size: int, src: Pid) -> None:
         """Wall clock: relay at once; with no link to emulate, straight to the node."""
         dst_node, dst = fields[4], fields[5]
-        registry = self._registry
+        members = self._members
         if dst_node:
-            target = registry.nodes.get(dst_node)
+            target = members.nodes.get(dst_node)
             dst_pid = (dst_node, dst)  # a Pid is a tuple: same hash, same key
         else:
-            dst_pid = registry.names.get(dst)
-            target = registry.nodes.get(dst_pid[0]) if dst_pid is not None else None
-        link_of = registry.link_of
+            dst_pid = members.names.get(dst)
+            target = members.nodes.get(dst_pid[0]) if dst_pid is not None else None
+        link_of = members.link_of
         if target is not None and not (self._links.active and link_of) and not self._time.behind:
             if link_of:
                 self._links.account(link_of.get(src), link_of.get(dst_pid), size)
@@ -123,7 +123,7 @@ class Router:
             return
         dst_pid, target = destination
         parcel = Parcel(src, sequence, dst_pid, target.name, frames, fields)
-        link_of = self._registry.link_of
+        link_of = self._members.link_of
         crossing = self._links.account(link_of.get(src), link_of.get(dst_pid), size) if link_of else \
             self._links.other(size)
         if crossing is None or not self._links.active:
@@ -142,7 +142,7 @@ class Router:
         """A message to many processes of one node: each receiver's link is charged and
         emulated as for a message of its own, and the node gets the body once."""
         ids = wire.check_ids(wire.unpack_recipients(frames[1]), header.dst)
-        if header.dst_node not in self._registry.nodes:
+        if header.dst_node not in self._members.nodes:
             self._broker.drop("unknown-destination", f"node {header.dst_node!r} is not connected")
             return
         self._time.take(header.src, "many", (header, frames, ids))
@@ -150,13 +150,13 @@ class Router:
     def transmit_many(self, src: Pid, sequence: int, header: wire.Header, frames: list, ids: list[int]) -> None:
         """A message to many sent now or at the current instant: each receiver's copy
         through its own link's model."""
-        target = self._registry.nodes.get(header.dst_node)
+        target = self._members.nodes.get(header.dst_node)
         if target is None:
             self._broker.drop("unknown-destination", f"node {header.dst_node!r} is not connected")
             return
         entry = self._time.entry(header.timing if type(header.timing) is float else None)
         size = wire.link_size(frames, MANY)
-        link_of = self._registry.link_of
+        link_of = self._members.link_of
         links = self._links
         node = target.name
         stash = self._time.new_stash()
@@ -188,11 +188,11 @@ class Router:
         if dst_node:
             dst_pid = Pid(dst_node, dst)
         else:
-            dst_pid = self._registry.names.get(dst)
+            dst_pid = self._members.names.get(dst)
             if dst_pid is None:
                 self._broker.drop("unknown-destination", f"no process registered as {dst!r}")
                 return None
-        target = self._registry.nodes.get(dst_pid.node)
+        target = self._members.nodes.get(dst_pid.node)
         if target is None:
             self._broker.drop("unknown-destination", f"node {dst_pid.node!r} is not connected")
             return None
@@ -210,13 +210,13 @@ class Router:
         if header.dst_node:
             dst_node = header.dst_node
         else:
-            pid = self._registry.names.get(header.dst)
+            pid = self._members.names.get(header.dst)
             dst_node = pid.node if pid is not None else None
-        target = self._registry.nodes.get(dst_node) if dst_node is not None else None
+        target = self._members.nodes.get(dst_node) if dst_node is not None else None
         if target is None:
             self._broker.drop("unknown-destination", f"node {dst_node or header.dst!r} is not connected")
             # A monitor or down for a lost node must still resolve: tell the sender.
-            origin = self._registry.nodes.get(header.src.node)
+            origin = self._members.nodes.get(header.src.node)
             if origin is not None and dst_node is not None:
                 self._broker.send_ctl(origin.identity, header.src, {"op": "node_down", "node": dst_node})
             return

@@ -293,12 +293,12 @@ class WallTimebase(Timebase):
             return
         for link in links:
             del self._flight_until[link]
-        registry = self._broker.registry
-        for info in registry.nodes.values():
+        members = self._broker.members
+        for info in members.nodes.values():
             self._broker.send_ctl(info.identity, Pid(info.name, 0), {"op": "offline", "links": links, "at": now})
 
     def notify(self, node: str, body: dict) -> None:
-        info = self._broker.registry.nodes.get(node)
+        info = self._broker.members.nodes.get(node)
         if info is not None:
             self._broker.send_ctl(info.identity, Pid(node, 0), body)
 
@@ -376,7 +376,7 @@ class VirtualTimebase(Timebase):
     # --- the scheduler's calls back (vclock.VirtualScheduler) ------------------------------
 
     def order_of(self, sender: Pid) -> tuple:
-        return self._broker.registry.order_of(sender)
+        return self._broker.members.order_of(sender)
 
     def apply(self, sender: Pid, sequence: int, kind: str, payload: Any) -> None:
         self._broker.apply(sender, sequence, kind, payload)
@@ -389,12 +389,12 @@ class VirtualTimebase(Timebase):
 
     def send_work(self, node: str, frames: list) -> None:
         """A delivery of the current instant to ``node`` (counted in its books)."""
-        if node in self._broker.registry.nodes:
+        if node in self._broker.members.nodes:
             self.scheduler.counted(node)
             self._broker.send_to(node, frames)
 
     def send_work_ctl(self, node: str, body: dict) -> None:
-        info = self._broker.registry.nodes.get(node)
+        info = self._broker.members.nodes.get(node)
         if info is not None:
             self._broker.send_ctl(info.identity, Pid(node, 0), body)
 

@@ -39,6 +39,7 @@ from .node_control import NodeControl
 # The process API is re-exported (see __all__): callers import it from here.
 from .process import (TIMEOUT, Behaviour, BehaviourProcess, Down, Message, NodeError, Process, Stalled,
                       ThreadProcess)
+from ..control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..security import RunKeys
 from .table import ProcessTable
 from .timekeeping import Timekeeping
@@ -84,8 +85,8 @@ class Node(Transport, NodeControl, ProcessTable, Timekeeping):
         name: str,
         broker: str,
         *,
-        heartbeat_interval: float = 0.5,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         pool_size: int = 1,
         keys: RunKeys | None = None,

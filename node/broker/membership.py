@@ -30,7 +30,7 @@ class NodeInfo:
     last_seen: float
 
 
-class Registry:
+class Membership:
     """The broker's nodes, names and link owners."""
 
     def __init__(self, broker: Broker) -> None:
