@@ -258,6 +258,18 @@ def test_an_ideal_link_delivers_what_enters_at_the_instant_the_model_was_last_as
     assert [(a.token, a.arrival) for a in model.arrivals(2.6)] == [("second", 2.6)]
 
 
+@pytest.mark.parametrize("latency_ms", [0, 10])
+def test_asking_between_two_sends_of_one_instant_hands_each_message_back_once(latency_ms):
+    """A broker asks when the next arrival is after each message it takes, and many
+    senders' messages enter at one instant: what the model simulated ahead for the first
+    is undone by the second, and the first's completion is found again, not twice."""
+    model = transport(dict(latency_ms=latency_ms, bandwidth=1e6))
+    for link, token in enumerate("abc"):
+        model.send(0.0, link, UP, 1000, token)
+        model.next_arrival()
+    assert sorted(a.token for a in drain(model)) == ["a", "b", "c"]
+
+
 def test_reno_and_cubic_both_recover():
     for congestion in ("reno", "cubic"):
         times = [one(tcp(**LTE, loss=0.01, congestion=congestion), UPDATE, seed).arrival for seed in range(5)]

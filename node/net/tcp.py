@@ -636,7 +636,7 @@ class TcpTransport:
             self._schedule_shared(shared)
         # Completions found while speculating are found again; those already handed
         # out (up to the last arrivals() call) are not handed out twice.
-        self.done = [entry for entry in self.done if entry[5] <= self._base]
+        self.done = [entry for entry in self.done if entry[5] < self._base]
         heapq.heapify(self.done)
 
     def _push_done(self, when: float, flow: _Flow, order: int, item) -> None:
