@@ -268,6 +268,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(dict(rounds=args.rounds, wall_s=time.monotonic() - started, rows=results),
                                     indent=1) + "\n")
+    sys.exit(0 if same == len(results) else 1)  # in virtual time a run must be the model, exactly
 
 
 if __name__ == "__main__":
