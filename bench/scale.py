@@ -2,8 +2,9 @@
 
     python bench/scale.py [--populations 1000 10000 100000] [--per-round 10 100 1000]
                           [--examples 1] [--rounds 4] [--aggregation server|nodes]
-                          [--cohort auto off] [--repeats N] [--json out.json]
-                          [--profile lan] [--timeline all|off]
+                          [--cohort auto off] [--json out.json]
+                          [--profile lte] [--transport tcp message] [--repeats 3]
+                          [--set KEY=VALUE ...] [--timeline all|off]
 
 For each population P and clients per round m (m <= P): ``fedemu launch`` of the default
 job (MNIST 2NN, FedAvg, E=1, B=10, virtual time, one worker node per core) with
@@ -18,7 +19,8 @@ Printed per point:
   busiest worker node's pool threads, where clients train, spent per round) and the rest
   (the round's time minus that: the broker, the server, messaging, evaluation);
 * CPU seconds per round (rounds 2..R) of all pool threads (training) and of everything
-  else in every process of the run: the split that other load on the host does not skew;
+  else in every process of the run (in brackets, the broker's share: where the link model
+  runs): the split that other load on the host does not skew;
 * messages/s: messages the link model delivered (each client's download and upload)
   per second of round, and how many the broker actually relayed (a round's model goes
   to each worker node once, however many of its clients were selected);
@@ -27,13 +29,23 @@ Printed per point:
 * timeline: the run's timeline.csv, in KB and rows per round (``--profile`` gives every
   client a link, whose transfers it records; with ideal links it has the computations
   only). Run the same point with ``--timeline off`` for what writing it costs a round.
+
+``--transport`` (network.transport) decides how messages cross ``--profile``'s links: the
+TCP model (``tcp``, the default) or the pipe (``message``); with ideal links neither
+has anything to emulate. Given both (and ``--repeats N``), each point runs N times with
+each, alternated so that other load on the host falls on both alike, and the medians
+follow the runs: issue 42's cost goal compares the two at 1,000 clients a round on
+``lte`` links (docs/results.md, "TCP in real runs"). ``--set`` passes any other override
+(``--set network.server_up_bandwidth=1Gbit``) to every run.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,8 +136,13 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def run(population: int, per_round: int, examples: int, rounds: int, out: Path, aggregation: str = "server",
-        cohort: str = "auto", profile: str | None = None, timeline: str = "all") -> dict:
+        profile: str | None = None, timeline: str = "all", transport: str | None = None,
+        overrides: list[str] = (), cohort: str = "auto") -> dict:
     extra = ["--set", f"network.default_profile={profile}"] if profile else []
+    if transport:
+        extra += ["--set", f"network.transport={transport}"]
+    for item in overrides:
+        extra += ["--set", item]
     command = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(out), *extra,
                "--set", f"run.timeline={timeline}", "--set", f"run.aggregation={aggregation}",
                "--set", f"run.cohort={cohort}",
@@ -140,6 +157,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     pool_last: dict[str, float] = {}
     cpu_after_round_1: dict[int, float] | None = None
     cpu_last: dict[int, float] = {}  # every process of the run
+    kinds: dict[int, str] = {}
     to_start = None
     while launcher.poll() is None:
         if to_start is None and events(out):
@@ -152,6 +170,7 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
             kb = pss_kb(pid)
             tree += kb
             cpu_last[pid] = process_cpu_s(pid) or cpu_last.get(pid, 0.0)
+            kinds[pid] = kind
             peak_role[kind] = max(peak_role.get(kind, 0), kb)
             if kind.startswith("worker"):
                 workers[pid] = kind
@@ -174,6 +193,9 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     # CPU, not wall: what the rest costs beside training whatever else runs on the host.
     training_cpu = sum(pool_last[k] - before.get(k, 0.0) for k in pool_last) / len(timed)
     all_cpu = sum(cpu_last[p] - (cpu_after_round_1 or {}).get(p, 0.0) for p in cpu_last) / len(timed)
+    # The broker's own: where the link model (the TCP model above all) runs.
+    broker_cpu = sum(cpu_last[p] - (cpu_after_round_1 or {}).get(p, 0.0) for p in cpu_last
+                     if kinds.get(p) == "broker") / len(timed)
     delivered = sum(e["msgs_up"] + e["msgs_down"] for e in timed)
     stats = broker_stats(out)
     relayed_share = ((stats["msgs_up"] + stats["fanout_msgs"] + stats["msgs_down"] - stats["fanout_receivers"])
@@ -185,10 +207,10 @@ def run(population: int, per_round: int, examples: int, rounds: int, out: Path, 
     all_rounds = len(timed) + 1
     return {
         "population": population, "per_round": per_round, "examples": examples, "rounds": len(timed) + 1,
-        "cohort": cohort,
         "start_s": round(to_start, 2) if to_start is not None else None, "median_round_s": round(median_round, 3),
         "training_s": round(training, 3), "rest_s": round(median_round - training, 3),
         "training_cpu_s": round(training_cpu, 3), "rest_cpu_s": round(all_cpu - training_cpu, 3),
+        "broker_cpu_s": round(broker_cpu, 3),
         "delivered_per_s": round(delivered / round_wall), "relayed_per_s": round(delivered * relayed_share / round_wall),
         "peak_tree_pss_mb": round(peak_tree / 1024), "peak_pss_mb": {k: round(v / 1024) for k, v in sorted(peak_role.items())},
         "timeline_kb_per_round": round(timeline_kb / all_rounds, 1),
@@ -214,15 +236,24 @@ def main() -> None:
     parser.add_argument("--aggregation", choices=("server", "nodes"), default="server",
                         help="run.aggregation: the server adds every update, or each worker node sums its clients'")
     parser.add_argument("--cohort", nargs="+", choices=("auto", "off"), default=["auto"],
-                        help="run.cohort: with both, each point runs with each in turn (alternated, --repeats times)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each point and cohort setting")
+                        help="run.cohort: with both, each point runs with each in turn (alternated)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    parser.add_argument("--profile", help="network.default_profile (e.g. lan): links whose transfers the timeline "
+    parser.add_argument("--profile", help="network.default_profile (e.g. lte): links whose transfers the timeline "
                                           "records (default: ideal links)")
     parser.add_argument("--timeline", choices=("all", "off"), default="all", help="run.timeline")
+    parser.add_argument("--transport", choices=("tcp", "message"), nargs="+", default=[None],
+                        help="network.transport: how messages cross the links (default: the config's, tcp); "
+                             "several: each point runs with each, alternating")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each point, transport and cohort setting, alternated; medians are printed "
+                             "after the runs")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="another override for every run (repeatable)")
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("need --rounds >= 2")
+    if args.repeats < 1:
+        parser.error("need --repeats >= 1")
     results = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fedemu-scale-") as tmp:
@@ -230,31 +261,60 @@ def main() -> None:
             for per_round in args.per_round:
                 if per_round > population:
                     continue
+                # Alternated, so that load from elsewhere on the host falls on every variant alike.
                 for repeat in range(args.repeats):
-                    for cohort in args.cohort:  # alternated: a drift in the host's load hits each alike
-                        print(f"  {population} clients, {per_round} per round, cohort {cohort} ({repeat + 1}/"
-                              f"{args.repeats}; load {os.getloadavg()[0]:.1f}) ...", file=sys.stderr, flush=True)
-                        results.append(run(population, per_round, args.examples, args.rounds,
-                                           Path(tmp) / f"{population}-{per_round}-{cohort}-{repeat}",
-                                           args.aggregation, cohort, args.profile, args.timeline))
+                    for transport, cohort in itertools.product(args.transport, args.cohort):
+                        print(f"  {population} clients, {per_round} per round, transport {transport or 'tcp'}, "
+                              f"cohort {cohort}, run {repeat + 1} of {args.repeats} (load "
+                              f"{os.getloadavg()[0]:.1f}) ...", file=sys.stderr, flush=True)
+                        out = Path(tmp) / f"{population}-{per_round}-{transport}-{cohort}-{repeat}"
+                        figures = run(population, per_round, args.examples, args.rounds, out, args.aggregation,
+                                      args.profile, args.timeline, transport, args.overrides, cohort)
+                        results.append({"transport": transport or "tcp", "cohort": cohort, "repeat": repeat + 1,
+                                        **figures})
+                        shutil.rmtree(out, ignore_errors=True)  # 100,000 clients' logs add up over repeats
                         if args.json:  # as it goes: a long grid keeps what it measured
                             args.json.write_text(json.dumps(results, indent=2))
     roles = sorted({kind for r in results for kind in r["peak_pss_mb"]})
     print(f"scale: MNIST 2NN, FedAvg E=1 B=10, virtual time, {args.examples} example(s) per client (partition "
-          f"'sample'), aggregation on the {args.aggregation}, links {args.profile or 'ideal'}, timeline "
-          f"{args.timeline}; {os.cpu_count()} cores; 1-min load average at start {load_before:.2f}, at end "
-          f"{os.getloadavg()[0]:.2f}")
-    print("| clients | per round | cohort | start (s) | round (s) | training (s) | rest (s) | CPU s/round: training / "
-          "rest | delivered msg/s | relayed msg/s | tree PSS (MB) | "
+          f"'sample'), aggregation on the {args.aggregation}, links {args.profile or 'ideal'}"
+          f"{''.join(', ' + o for o in args.overrides)}, timeline {args.timeline}; {os.cpu_count()} cores; "
+          f"1-min load average at start {load_before:.2f}, at end {os.getloadavg()[0]:.2f}")
+    print("| clients | per round | transport | cohort | start (s) | round (s) | training (s) | rest (s) "
+          "| CPU s/round: training / rest (broker) | delivered msg/s | relayed msg/s | tree PSS (MB) | "
           + " | ".join(f"{kind} (MB)" for kind in roles) + " | timeline KB / rows per round |")
-    print("|" + " ---: |" * 2 + " --- |" + " ---: |" * (9 + len(roles)))
+    print("|" + " ---: |" * 2 + " --- | --- |" + " ---: |" * (10 + len(roles)))
     for r in results:
-        print(f"| {r['population']} | {r['per_round']} | {r['cohort']} | {r['start_s']} | {r['median_round_s']} "
-              f"| {r['training_s']} "
-              f"| {r['rest_s']} | {r['training_cpu_s']} / {r['rest_cpu_s']} "
+        print(f"| {r['population']} | {r['per_round']} | {r['transport']} | {r['cohort']} | {r['start_s']} | {r['median_round_s']} "
+              f"| {r['training_s']} | {r['rest_s']} | {r['training_cpu_s']} / {r['rest_cpu_s']} ({r['broker_cpu_s']}) "
               f"| {r['delivered_per_s']} | {r['relayed_per_s']} | {r['peak_tree_pss_mb']} | "
               + " | ".join(str(r["peak_pss_mb"].get(kind, "")) for kind in roles)
               + f" | {r['timeline_kb_per_round']} / {r['timeline_rows_per_round']} |")
+    if args.repeats > 1 or len(args.transport) > 1 or len(args.cohort) > 1:
+        print_medians(results)
+
+
+def print_medians(results: list[dict]) -> None:
+    """Per point and transport, the medians over the repeats; and each median round
+    against the same point's with the ``message`` transport (issue 42's goal: ``tcp``
+    within 10%), or against the first transport run."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["population"], r["per_round"], r["transport"], r["cohort"]), []).append(r)
+    medians = {key: {field: statistics.median(r[field] for r in runs)
+                     for field in ("median_round_s", "rest_cpu_s", "broker_cpu_s", "training_cpu_s")}
+               for key, runs in groups.items()}
+    base_name = "message" if any(t == "message" for _, _, t, _ in groups) else next(iter(groups))[2]
+    print(f"\nmedians over the runs (round: against {base_name}):")
+    print(f"| clients | per round | transport | cohort | runs | round (s) | / {base_name} | rest CPU s/round "
+          "| broker CPU s/round | training CPU s/round |")
+    print("|" + " ---: |" * 10)
+    for (population, per_round, transport, cohort), m in medians.items():
+        base = medians.get((population, per_round, base_name, cohort))
+        ratio = f"{m['median_round_s'] / base['median_round_s']:.3f}" if base else ""
+        print(f"| {population} | {per_round} | {transport} | {cohort} | {len(groups[population, per_round, transport, cohort])} "
+              f"| {m['median_round_s']:.3f} | {ratio} | {m['rest_cpu_s']:.3f} | {m['broker_cpu_s']:.3f} "
+              f"| {m['training_cpu_s']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedemu.node import tcp
+from fedemu.node.net import tcp
 from fedemu.node.net.links import UP, LinkProfile, Network
 
 HERE = Path(__file__).resolve().parent

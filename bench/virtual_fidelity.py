@@ -58,7 +58,10 @@ def start_broker(workdir: Path, network: dict) -> subprocess.Popen:
 
 
 def one_point(workdir: Path, latency_ms: float, bandwidth, size: int, concurrency: int) -> dict:
-    network = {"default_profile": "p", "profiles": {"p": {"latency_ms": latency_ms, "bandwidth": bandwidth}}}
+    # The pipe, whose arrivals Network.transmit computes below (bench/transport_launch.py
+    # checks the TCP transport's, the default, in real runs).
+    network = {"transport": "message", "default_profile": "p",
+               "profiles": {"p": {"latency_ms": latency_ms, "bandwidth": bandwidth}}}
     broker = start_broker(workdir, network)
     endpoint = (workdir / "broker.endpoint").read_text().strip()
     rx = Node("rx", endpoint, heartbeat_interval=0.2, heartbeat_timeout=10).start()
