@@ -101,7 +101,7 @@ class Client(Behaviour):
         self.retries = 0  # requests resent for want of a reply
         self._resends = 0  # of the pending request: each further wait for its reply is longer
         self.trainings_stopped = 0  # local updates cut short: the device went offline, or a Cancel came
-        self._closed_round = 0  # the latest round a Cancel said closed without this client
+        self._closed_rounds: set[int] = set()  # rounds a Cancel said closed without this client
         self._stopped = False  # asynchronous: the last local update was lost; redo it when back online
         self._untrained: np.ndarray | None = None  # w_k before the local update in progress
         self._send_timer = None  # a request held back for a slow device's extra compute time
@@ -127,7 +127,7 @@ class Client(Behaviour):
             raise body.error
         elif isinstance(body, Cancel):
             # A job of that round may still wait at the node's trainer: it checks this.
-            self._closed_round = max(self._closed_round, body.round)
+            self._closed_rounds.add(body.round)
             held = self._held_replies.pop(body.round, None)
             if held is not None:
                 held.cancel()
@@ -227,7 +227,7 @@ class Client(Behaviour):
             return isinstance(body, Cancel) and body.round == request.round
 
         def cancelled() -> bool:  # over-selected, and the round closed without this client
-            return self._closed_round >= request.round or proc.has_message(cancels_this_round)
+            return request.round in self._closed_rounds or proc.has_message(cancels_this_round)
 
         def unwanted() -> bool:
             return went_offline() or cancelled()
