@@ -1470,18 +1470,24 @@ class TcpTransport:
         shared.fair = fair
         self._next_shared(shared, t)
 
+    def _group_head(self, shared: _Shared, g: _Group) -> tuple | None:
+        """A group's next chunk to be served (target, link, version), its stale entries
+        (a flow since regrouped, re-queued or emptied) dropped; None if it has none."""
+        heap = g.heap
+        while heap:
+            _, link, ver = heap[0]
+            flow = self.flows[(link, shared.direction)]
+            if flow.gver == ver and flow.group == g.cap and flow.q:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
     def _next_shared(self, shared: _Shared, t: float) -> None:
         soonest = math.inf
         for g in shared.groups.values():
-            heap = g.heap
-            while heap:
-                target, link, ver = heap[0]
-                flow = self.flows[(link, shared.direction)]
-                if flow.gver == ver and flow.group == g.cap and flow.q:
-                    break
-                heapq.heappop(heap)
-            if heap and g.n:
-                soonest = min(soonest, t + max(0.0, heap[0][0] - g.v) / g.rate)
+            head = self._group_head(shared, g)
+            if head is not None and g.n:
+                soonest = min(soonest, t + max(0.0, head[0] - g.v) / g.rate)
         shared.t_next = soonest if soonest < math.inf else None
         self._schedule_shared(shared)
 
@@ -1494,16 +1500,10 @@ class TcpTransport:
         while True:
             due = None
             for g in shared.groups.values():
-                heap = g.heap
-                while heap:
-                    target, link, ver = heap[0]
-                    flow = self.flows[(link, shared.direction)]
-                    if flow.gver == ver and flow.group == g.cap and flow.q:
-                        break
-                    heapq.heappop(heap)
-                if heap and g.n and heap[0][0] <= g.v + 1e-9 * max(1.0, abs(g.v)):
-                    if due is None or (heap[0][1], heap[0][0]) < (due[1][1], due[1][0]):
-                        due = (g, heap[0])
+                head = self._group_head(shared, g)
+                if head is not None and g.n and head[0] <= g.v + 1e-9 * max(1.0, abs(g.v)):
+                    if due is None or (head[1], head[0]) < (due[1][1], due[1][0]):
+                        due = (g, head)
             if due is None:
                 break
             g, (_, link, _) = due
