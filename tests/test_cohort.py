@@ -321,19 +321,25 @@ class Hands(_Outbox):
         self.handed.append(body)
 
 
-def test_an_asynchronous_job_whose_task_ended_while_it_waited_is_dropped():
-    """algorithm.concurrency: a client hands its task's local update to the trainer, then
-    handles, in the same turn of its mailbox, the TaskDone that ends the task and the
-    start of a new one. The trainer drops the first job (its task is over), trains the
-    second, and the client uploads once, from the new task; nothing crashes."""
+def client_with_trainer() -> tuple:
+    """Client 0 on 20 images, its node's trainer, stand-ins for both their processes,
+    and a global model to start from."""
     images, labels = _data(20)
     cache = _ModelCache()
     trainer = CohortTrainer(cache)
     trainer.pid = Pid("worker-0", 2)
     client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
                     cache, trainer=trainer)
-    device, trainer_proc = Hands(CLIENT), Hands(trainer.pid)
     weights = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    return client, trainer, Hands(CLIENT), Hands(trainer.pid), weights
+
+
+def test_an_asynchronous_job_whose_task_ended_while_it_waited_is_dropped():
+    """algorithm.concurrency: a client hands its task's local update to the trainer, then
+    handles, in the same turn of its mailbox, the TaskDone that ends the task and the
+    start of a new one. The trainer drops the first job (its task is over), trains the
+    second, and the client uploads once, from the new task; nothing crashes."""
+    client, trainer, device, trainer_proc, weights = client_with_trainer()
 
     def start(model: int) -> TaskStart:
         return TaskStart(rule="fedbuff", weights=weights, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
@@ -356,14 +362,7 @@ def test_a_device_that_went_offline_and_came_back_while_its_job_waited_trains_ag
     the client handles its device going offline and coming back. The trainer's work is
     lost (the device was offline during it), and since the comeback was already handled,
     the client starts its next training then, not never."""
-    images, labels = _data(20)
-    cache = _ModelCache()
-    trainer = CohortTrainer(cache)
-    trainer.pid = Pid("worker-0", 2)
-    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
-                    cache, trainer=trainer)
-    device, trainer_proc = Hands(CLIENT), Hands(trainer.pid)
-    weights = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    client, trainer, device, trainer_proc, weights = client_with_trainer()
     client.handle(device, Message(SERVER, TaskStart(rule="fedbuff", weights=weights, age=0, epochs=1, batch_size=10,
                                                     lr=0.1, lr_decay=0.0, seed=RUN_SEED, uploads_delta=True,
                                                     model=1)))
@@ -386,14 +385,7 @@ def test_a_round_cancelled_while_its_job_waited_sends_no_reply():
     """Over-selection: a client hands its round's training to the trainer and then handles
     the Cancel that closes the round without it (the Cancel is no longer in its mailbox
     when the trainer runs). The trainer's output is dropped: no late reply is sent."""
-    images, labels = _data(20)
-    cache = _ModelCache()
-    trainer = CohortTrainer(cache)
-    trainer.pid = Pid("worker-0", 2)
-    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
-                    cache, trainer=trainer)
-    device, trainer_proc = Hands(CLIENT), Hands(trainer.pid)
-    weights = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
+    client, trainer, device, trainer_proc, weights = client_with_trainer()
     client.handle(device, Message(SERVER, TrainRequest(round=3, task=TRAIN, weights=weights, epochs=1, batch_size=10,
                                                        lr=0.1, seed=1)))
     client.handle(device, Message(SERVER, Cancel(3)))
