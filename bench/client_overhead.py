@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from fedemu.launch.lifecycle import retain_freed_memory
-from fedemu.worker.ml import models, training
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.exact_sum import ExactSum
+from fedemu.common.ml import models, training
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.exact_sum import ExactSum
 
 TASKS, REPEATS, WARM_UP = 1000, 7, 200
 

@@ -71,7 +71,7 @@ def _init(spec, images, labels, shards, algo, seed) -> None:
 
 def _train(args):
     from fedemu.worker.client import client_generator
-    from fedemu.worker.ml import models, training
+    from fedemu.common.ml import models, training
 
     k, round_, weights, iteration = args
     pool, algo = _POOL, _POOL["algo"]
@@ -90,8 +90,8 @@ def plain_loop(job: str, rounds: int) -> dict:
 
     from fedemu.launch import config as configuration
     from fedemu.node import streams
-    from fedemu.server.strategies import selected_per_round, weighted_average
-    from fedemu.worker.ml import models, split, training
+    from fedemu.common.algorithms.rounds import selected_per_round, weighted_average
+    from fedemu.common.ml import models, split, training
 
     import torch
 
@@ -175,9 +175,9 @@ def engine(repeats: int) -> list[dict]:
     import torch
 
     from fedemu.launch.lifecycle import retain_freed_memory
-    from fedemu.worker.ml import cohort, models, training
-    from fedemu.worker.ml.datasets import get
-    from fedemu.worker.ml.models import ModelSpec
+    from fedemu.common.ml import cohort, models, training
+    from fedemu.common.ml.datasets import get
+    from fedemu.common.ml.models import ModelSpec
 
     retain_freed_memory()
     torch.set_num_threads(1)

@@ -56,10 +56,10 @@ TARGET_ACCURACY = 0.95
 def run_case(name: str, spec: dict, rounds: int, dataset, shards) -> dict:
     import torch
 
-    from fedemu.server.strategies import selected_per_round, weighted_average
-    from fedemu.worker.ml import compression, models, training
+    from fedemu.common.algorithms.rounds import selected_per_round, weighted_average
+    from fedemu.common.ml import compression, models, training
     from fedemu.worker.client import client_generator
-    from fedemu.worker.ml.structured import compressed_client_update
+    from fedemu.common.ml.structured import compressed_client_update
 
     seed = JOB["seed"]
     train_images, train_labels = dataset["train"]
@@ -128,7 +128,7 @@ def main() -> None:
 
     import torch
 
-    from fedemu.worker.ml import data, partition
+    from fedemu.common.ml import data, partition
 
     torch.set_num_threads(args.threads)
 

@@ -286,8 +286,8 @@ def run_trainer(index: int) -> None:
     ClientUpdate on one IID MNIST shard after another, never idle."""
     import torch
 
-    from fedemu.worker.ml import data, models, partition
-    from fedemu.worker.ml.training import client_update
+    from fedemu.common.ml import data, models, partition
+    from fedemu.common.ml.training import client_update
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)

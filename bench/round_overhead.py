@@ -64,8 +64,8 @@ def plain_loop(rounds: int, threads: int | None) -> dict:
     import torch
 
     from fedemu.launch import config as configuration
-    from fedemu.server.strategies import selected_per_round, weighted_average
-    from fedemu.worker.ml import data, models, partition, training
+    from fedemu.common.algorithms.rounds import selected_per_round, weighted_average
+    from fedemu.common.ml import data, models, partition, training
     from fedemu.worker.client import client_generator
 
     if threads is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from .lifecycle import STOP_SIGNALS, child_env
 from .slurm_task import launch_address, task_identity
 
-PACKAGES = ("fedemu.node", "fedemu.server", "fedemu.worker", "fedemu.launch")
+PACKAGES = ("fedemu.node", "fedemu.common", "fedemu.server", "fedemu.worker", "fedemu.launch")
 
 
 def fedemu_version() -> str:
@@ -91,7 +91,7 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         import numba  # noqa: F401
     except Exception as exc:  # ImportError, or a mismatched llvmlite or NumPy
         report["problems"].append(f"numba cannot be imported ({exc})")
-    from fedemu.worker.ml import data, datasets, devices, models
+    from fedemu.common.ml import data, datasets, devices, models
 
     if device is not None:  # the worker nodes here train on it
         try:

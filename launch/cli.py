@@ -63,7 +63,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
     Slurm allocation (--slurm)."""
-    from fedemu.worker.ml.data import DatasetError
+    from fedemu.common.ml.data import DatasetError
 
     from . import config as configuration
     from .launcher import launch as run_local
@@ -117,11 +117,10 @@ def _as_it_runs(config: dict) -> dict:
         section, _, name = key.partition(".")
         if section == "algorithm":
             shown["algorithm"].pop(name, None)
-    from fedemu.server import algorithm
-
+    from fedemu.common import algorithms
     try:
-        synchronous = algorithm.get(config["algorithm"]["name"]).synchronous
-    except algorithm.UnknownAlgorithm:
+        synchronous = algorithms.get(config["algorithm"]["name"]).synchronous
+    except algorithms.UnknownAlgorithm:
         synchronous = None
     other_engine = {True: ASYNC_ONLY, False: ROUNDS_ONLY}.get(synchronous, ())
     for name in other_engine:
@@ -141,17 +140,16 @@ ROUNDS_ONLY = ("lr_round_decay", "deadline_s", "quorum", "on_quorum_missed", "ov
 def algorithms(name: str | None) -> None:
     """List the algorithms (built-in, and those installed packages bring; or NAME, a
     plug-in too) with their own algorithm.* options and defaults."""
-    from fedemu.server import algorithm
-
+    from fedemu.common import algorithms
     try:
         if name:
-            classes = {name: algorithm.get(name)}
+            classes = {name: algorithms.get(name)}
         else:
-            classes = dict(algorithm.built_in())
-            for plugin in algorithm.installed():
+            classes = dict(algorithms.built_in())
+            for plugin in algorithms.installed():
                 if plugin not in classes:
-                    classes[plugin] = algorithm.get(plugin)
-    except algorithm.UnknownAlgorithm as exc:
+                    classes[plugin] = algorithms.get(plugin)
+    except algorithms.UnknownAlgorithm as exc:
         raise _config_error(exc) from None
     for key, cls in classes.items():
         kind = "round-based" if cls.synchronous else "asynchronous"
@@ -173,7 +171,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
     """Fetch data set NAME (fedemu data list shows them; a plug-in by its entry point or
     package.module:Class), verify it, and cache a converted copy. A cached copy is
     checked (sizes and sha256 recorded when it was made) and fetched again if damaged."""
-    from fedemu.worker.ml import data as datasets
+    from fedemu.common.ml import data as datasets
 
     try:
         path = datasets.fetch(name, cache_dir, force=force)
@@ -188,7 +186,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
 def data_list(cache_dir: str | None, as_json: bool) -> None:
     """List the data sets fedemu has and installed plug-ins bring: what each is, and
     whether it is cached."""
-    from fedemu.worker.ml import data as datasets
+    from fedemu.common.ml import data as datasets
 
     for entry in datasets.list_datasets(cache_dir):
         if as_json:
@@ -209,7 +207,7 @@ def data_list(cache_dir: str | None, as_json: bool) -> None:
 def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, as_json: bool) -> None:
     """How a run's config splits its data over the clients: examples and labels per client,
     exactly as the worker nodes will cut it (same seed, same partition)."""
-    from fedemu.worker.ml import datasets as registry, split
+    from fedemu.common.ml import datasets as registry, split
 
     from . import config as configuration
 

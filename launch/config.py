@@ -2,7 +2,7 @@
 
 One schema (:data:`SCHEMA`) says every section, key, type and allowed values (their
 defaults are in ``default.toml``); the ``[algorithm]`` section also takes the options each
-algorithm declares (``server/algorithm.py``: its keys, with their defaults). Loading,
+algorithm declares (``common/algorithms/base.py``: its keys, with their defaults). Loading,
 ``--set`` overrides and validation all read them, so an error can always name the key
 and what it accepts, before anything starts.
 """
@@ -154,7 +154,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 
 # [network] is nested (profiles, assignments, drop-outs, stragglers): the link model in
-# fedemu.node.net.links and fedemu.worker.stragglers validate it, naming each key.
+# fedemu.node.net.links and fedemu.common.stragglers validate it, naming each key.
 NESTED_SECTIONS = ("network", "compression")
 
 DEFAULT_CONFIG_FILE = "default.toml"
@@ -171,7 +171,7 @@ def default() -> dict[str, dict[str, Any]]:
 
 def _algorithm_class(config: dict):
     """The registered class of algorithm.name; ConfigError if nothing answers to it."""
-    from fedemu.server.algorithm import UnknownAlgorithm, get
+    from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
     try:
         return get(config["algorithm"]["name"])
@@ -182,7 +182,7 @@ def _algorithm_class(config: dict):
 def _algorithm_options(config: dict) -> dict[str, Key]:
     """The algorithm.* keys algorithms own: every built-in's (a sweep over algorithm.name
     carries each one's options), and the chosen plug-in's."""
-    from fedemu.server.algorithm import all_options
+    from fedemu.common.algorithms.base import all_options
 
     try:
         chosen = _algorithm_class(config)
@@ -334,20 +334,20 @@ def validate(config: dict) -> None:
     if refusal:
         raise ConfigError(refusal)
     compression = compression_spec(config)
-    from fedemu.server.algorithm import aggregation_problem
+    from fedemu.common.algorithms.base import aggregation_problem
 
     refusal = aggregation_problem(config["run"]["aggregation"], algorithm, compression.compresses)
     if refusal:
         raise ConfigError(refusal)
     if compression.compresses and algorithm.uploads:
-        from fedemu.server.algorithm import built_in
+        from fedemu.common.algorithms.base import built_in
 
         compressible = [name for name, cls in built_in().items() if not cls.uploads]
         raise ConfigError(
             f"[compression] applies to model updates (algorithm.name = {', '.join(compressible)}: each sends "
             f"the delta from the model it trained from); algorithm.name = {config['algorithm']['name']!r} "
             f"uploads {algorithm.uploads}, which the update codecs do not encode")
-    from fedemu.worker.ml import kfold
+    from fedemu.common.ml import kfold
 
     try:
         kfold.check(config)
@@ -360,7 +360,7 @@ def validate(config: dict) -> None:
 
 
 def _check_dataset(data: dict) -> None:
-    from fedemu.worker.ml import datasets  # imports no torch
+    from fedemu.common.ml import datasets  # imports no torch
 
     try:
         dataset = datasets.get(data["dataset"])
@@ -383,7 +383,7 @@ def _check_dataset(data: dict) -> None:
 
 def data_spec(config: dict):
     """The run's data (split.DataSpec): the [data] section and run.seed."""
-    from fedemu.worker.ml.split import DataSpec
+    from fedemu.common.ml.split import DataSpec
 
     d = config["data"]
     return DataSpec(dataset=d["dataset"], partition=d["partition"], clients=d["clients"], seed=config["run"]["seed"],
@@ -395,7 +395,7 @@ def data_spec(config: dict):
 
 def model_spec(config: dict):
     """The run's model (models.ModelSpec): model.name built for data.dataset."""
-    from fedemu.worker.ml import datasets, models
+    from fedemu.common.ml import datasets, models
 
     model = config["model"]
     return models.ModelSpec(model["name"], datasets.get(config["data"]["dataset"]), model["init"], model["init_std"])
@@ -403,7 +403,7 @@ def model_spec(config: dict):
 
 def _check_model(name: str, dataset: str) -> None:
     """model.name exists and takes data.dataset's examples (built and run on a blank batch)."""
-    from fedemu.worker.ml import models  # (torch: a plug-in's builder is imported to be checked)
+    from fedemu.common.ml import models  # (torch: a plug-in's builder is imported to be checked)
 
     try:
         models.builder(name)
@@ -418,7 +418,7 @@ def ineffective_keys(config: dict) -> set[str]:
     """Keys (``section.key``) whose value cannot change this run: the options of algorithms
     other than the one it runs, and the shard keys of an IID partition. Two runs that
     differ only in these ran the same condition."""
-    from fedemu.server.algorithm import UnknownAlgorithm, all_options, get
+    from fedemu.common.algorithms.base import UnknownAlgorithm, all_options, get
 
     try:
         own = set(get(config["algorithm"]["name"]).options)
@@ -465,7 +465,7 @@ def straggler_spec(config: dict):
     """network.stragglers alone (what a worker node needs: it may run where the trace
     files are not)."""
     from fedemu.node.net.links import LinkConfigError
-    from fedemu.worker.stragglers import stragglers_from_config
+    from fedemu.common.stragglers import stragglers_from_config
 
     try:
         return stragglers_from_config(config.get("network", {}).get("stragglers", {}), config["data"]["clients"],
@@ -491,11 +491,11 @@ def population_record(config: dict) -> dict | None:
 
 
 def compute_model(config: dict, run_dir: Path | None = None):
-    """How the run's clients are charged for their local work (worker.ml.devices): each
+    """How the run's clients are charged for their local work (common.ml.devices): each
     client's own device speed from the run directory's population.json, if it has one."""
     import json
 
-    from fedemu.worker.ml.devices import ComputeModel
+    from fedemu.common.ml.devices import ComputeModel
 
     run = config["run"]
     speeds = {}
@@ -507,7 +507,7 @@ def compute_model(config: dict, run_dir: Path | None = None):
 
 def compression_spec(config: dict):
     """The [compression] section as a CompressionSpec; errors name the key."""
-    from fedemu.worker.ml.compression import CompressionSpec
+    from fedemu.common.ml.compression import CompressionSpec
 
     try:
         return CompressionSpec.from_dict(config.get("compression", {}), prefix="compression.")
@@ -518,12 +518,12 @@ def compression_spec(config: dict):
 def server_settings(config: dict, workers: int, device: str):
     """The server engine's settings (server.engine.Settings) for a resolved config run
     over ``workers`` worker nodes, evaluating on ``device``."""
-    from fedemu.server import algorithm
+    from fedemu.common import algorithms
     from fedemu.server.engine import Settings
 
     run, algo = config["run"], config["algorithm"]
     compression = compression_spec(config)
-    asynchronous = not algorithm.get(algo["name"]).synchronous
+    asynchronous = not algorithms.get(algo["name"]).synchronous
     return Settings(
         clients=config["data"]["clients"], seed=run["seed"], rounds=run["rounds"], epochs=algo["E"],
         batch_size=algo["B"], C=algo["C"], deadline_s=algo["deadline_s"], quorum=algo["quorum"],

@@ -35,7 +35,7 @@ def short(key: str) -> str:
 def algorithm_label(name: str) -> str:
     """The algorithm's label (``FedAvg``, ``CO-OP``), or its name where no class answers
     to it here (a plug-in this machine cannot import)."""
-    from fedemu.server.algorithm import UnknownAlgorithm, get
+    from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
     try:
         return get(name).label or name

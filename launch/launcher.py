@@ -36,7 +36,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.machines.Machines`); returns (run directory, summary).
     ``live``: a progress bar on a terminal (progress.RunProgress), the lines above it."""
-    from fedemu.worker.ml import data
+    from fedemu.common.ml import data
 
     config = configuration.load(config_path, overrides, values)
     progress = None
@@ -75,7 +75,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
 def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:
     """Prepare, start and follow the run; any stop signal (or Ctrl-C) interrupts it in
     order. Whatever ends it, its summary.json says how."""
-    from fedemu.worker.ml.data import DatasetError
+    from fedemu.common.ml.data import DatasetError
 
     try:
         prepare()

@@ -83,7 +83,7 @@ class LocalRun:
         (worker hosts of --machines and --slurm are checked by their preflight)."""
         if self.config["run"]["device"] in ("auto", "cpu"):
             return  # always available: spare the launcher torch's import
-        from fedemu.worker.ml.devices import DeviceUnavailable, torch_device
+        from fedemu.common.ml.devices import DeviceUnavailable, torch_device
 
         try:
             torch_device(self.config["run"]["device"])

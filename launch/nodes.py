@@ -120,7 +120,7 @@ def _device(config: dict, node: str, server: bool = False):
     """The torch device run.device names on this host, prepared (devices.use_device). The
     server only evaluates: on a host without the GPU the workers train on (a laptop
     launching onto GPU hosts), it evaluates on the CPU and says so."""
-    from fedemu.worker.ml import devices
+    from fedemu.common.ml import devices
 
     try:
         device = devices.torch_device(config["run"]["device"])
@@ -136,12 +136,12 @@ def _device(config: dict, node: str, server: bool = False):
 def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
-    from fedemu.server import algorithm
+    from fedemu.common import algorithms
     from fedemu.server.async_engine import AsyncEngine, Concurrency
     from fedemu.server.engine import RoundEngine, Stop
     from fedemu.launch.config import POPULATION_FILE, data_spec, model_spec, server_settings
     from fedemu.server.runlog import RunLog
-    from fedemu.worker.ml import split
+    from fedemu.common.ml import split
     from fedemu.worker.client import warm_up
 
     config = read_config(run_dir)
@@ -150,7 +150,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     device = _device(config, "the server", server=True)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
     run_data, _ = split.run_data(data_spec(config), shares=False)
-    rule = algorithm.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
+    rule = algorithms.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
     settings = server_settings(config, workers, str(device))
     population = run_dir / POPULATION_FILE
     if population.exists():  # the trace files' sha256, for the start event
@@ -219,7 +219,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
     from fedemu.launch.config import compute_model, data_spec, model_spec, straggler_spec
-    from fedemu.worker.ml import split
+    from fedemu.common.ml import split
     from fedemu.worker.client import host_clients, placement
 
     config = read_config(run_dir)

@@ -159,7 +159,7 @@ class RunRecord:
     @property
     def synchronous(self) -> bool:
         """Round-based (else an asynchronous rule, whose "rounds" are evaluations)."""
-        from fedemu.server.algorithm import UnknownAlgorithm, get
+        from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
         try:
             return get(self.algorithm).synchronous

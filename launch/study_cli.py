@@ -39,7 +39,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     re-submit what failed."""
     import shlex
 
-    from fedemu.worker.ml.data import DatasetError
+    from fedemu.common.ml.data import DatasetError
 
     from .sweep import run_sweep
     from .sweep_spec import SweepError, load_spec

@@ -138,7 +138,7 @@ def _read_summary(run_dir: Path) -> dict | None:
 
 
 def _fetch_data(points: list[Point]) -> None:
-    from fedemu.worker.ml import data
+    from fedemu.common.ml import data
 
     for name, cache in {(p.config["data"]["dataset"], p.config["data"]["cache_dir"] or None) for p in points}:
         data.fetch(name, cache, progress=lambda line: None)

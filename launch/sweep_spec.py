@@ -192,7 +192,7 @@ def config_hash(config: dict) -> str:
 
 def expand(spec: Spec) -> list[Point]:
     """Every point of the grid, each config resolved and validated."""
-    from fedemu.worker.ml import kfold
+    from fedemu.common.ml import kfold
 
     points, ids = [], set()
     for seq, combo in enumerate(itertools.product(*(values for _, values in spec.groups))):

@@ -1,7 +1,7 @@
 """Finding what a config names from outside fedemu: ``package.module:attr``, imported on
 the spot, or the name of an installed package's entry point in ``group``. Algorithms
-(``server/algorithm.py``), models (``worker/ml/models.py``) and data sets
-(``worker/ml/datasets``) are found this way; each error names the thing, the name and
+(``common/algorithms/base.py``), models (``common/ml/models.py``) and data sets
+(``common/ml/datasets``) are found this way; each error names the thing, the name and
 what to do. :class:`Registry` files classes by name, the built-ins and the plug-ins alike."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The vocabulary of config schemas: a :class:`Key` says one key's type, meaning and
 allowed values. ``fedemu.launch.config`` builds the run's sections from Keys, and every
-algorithm declares the ``algorithm.*`` keys it owns as Keys (``server/algorithm.py``),
+algorithm declares the ``algorithm.*`` keys it owns as Keys (``common/algorithms/base.py``),
 so one validator can name any bad key and what it accepts. It lives at the bottom
 layer because every layer above may declare options."""
 from __future__ import annotations

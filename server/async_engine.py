@@ -51,12 +51,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import (AgeReply, AgeRequest, AsyncStart, AsyncStop, CheckIn, FetchRequest, ModelReply,
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.messages import (AgeReply, AgeRequest, AsyncStart, AsyncStop, CheckIn, FetchRequest, ModelReply,
                                     TaskDone, TaskStart, Upload, WorkerReady, retry_wait)
 
-from .async_rules import AsyncRule
+from fedemu.common.algorithms.asynchronous import AsyncRule
 from .engine import Engine, Settings
 from .runlog import RunLog
 

@@ -3,8 +3,8 @@ a run starts (`fedemu check`, and automatically at launch). Each finding names t
 and the numbers."""
 from __future__ import annotations
 
-from .algorithm import Finding, get
-from .strategies import selected_per_round
+from fedemu.common.algorithms.base import Finding, get
+from fedemu.common.algorithms.rounds import selected_per_round
 
 
 def check(algorithm: dict, clients: int, network_can_drop: bool, round_dropout: float = 0.0) -> list[Finding]:

@@ -28,19 +28,19 @@ import numpy as np
 
 from fedemu.node import streams
 from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
-from fedemu.worker.ml import models, training
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.ml.compression import make_codec, parameter_shapes, update_seed
-from fedemu.worker import tasks
-from fedemu.worker.stragglers import StragglerGroups, StragglerSpec
-from fedemu.worker.protocol import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
+from fedemu.common.ml import models, training
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.ml.compression import make_codec, parameter_shapes, update_seed
+from fedemu.common.algorithms import tasks
+from fedemu.common.stragglers import StragglerGroups, StragglerSpec
+from fedemu.common.messages import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
                                     as_pid_map, update_problem)
 
-from .algorithm import aggregation_problem
+from fedemu.common.algorithms.base import aggregation_problem
 from .outcome import NodeExits, losses, nothing_aggregated
 from .runlog import CLIENTS, RunLog, RunLogError
-from .strategies import Replies, Strategy, selected_per_round
+from fedemu.common.algorithms.rounds import Replies, Strategy, selected_per_round
 from .timeline import CLIENT_COLUMNS, OUTCOMES, ClientRound, Facts, Timeline
 
 log = logging.getLogger("fedemu.server")

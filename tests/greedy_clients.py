@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedemu.server.strategies import FedAvg
-from fedemu.worker.tasks import LocalTask, TaskOutput
+from fedemu.common.algorithms.fedavg import FedAvg
+from fedemu.common.algorithms.tasks import LocalTask, TaskOutput
 
 
 class GreedyTrain(LocalTask):

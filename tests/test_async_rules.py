@@ -4,16 +4,18 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.server.async_rules import Coop, FedAsync, FedBuff, staleness_weight
+from fedemu.common.algorithms.coop import Coop
+from fedemu.common.algorithms.fedasync import FedAsync, staleness_weight
+from fedemu.common.algorithms.fedbuff import FedBuff
 from fedemu.server.checks import check
 from fedemu.node import Message
-from fedemu.worker.ml import models
+from fedemu.common.ml import models
 from fedemu.worker.client import Client, _ModelCache, client_generator
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
-from fedemu.worker.ml.training import client_update
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.messages import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
+from fedemu.common.ml.training import client_update
 
 from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedemu.worker.ml import data, models
-from fedemu.worker.ml.datasets import cifar10
-from fedemu.worker.ml.training import client_update, evaluate
+from fedemu.common.ml import data, models
+from fedemu.common.ml.datasets import cifar10
+from fedemu.common.ml.training import client_update, evaluate
 
 PER_BATCH = 10  # 5 training batches and a test batch of 10 images each
 SMALL = {"train": 5 * PER_BATCH, "test": PER_BATCH}

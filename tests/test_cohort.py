@@ -21,14 +21,14 @@ from torch import nn
 
 from fedemu.node import Behaviour, Message, Node, Pid
 from fedemu.server.runlog import read_events
-from fedemu.worker import tasks
+from fedemu.common.algorithms import tasks
 from fedemu.worker.client import Client, _ModelCache
 from fedemu.worker.cohorts import CohortTrainer
-from fedemu.worker.ml import cohort, models, training
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import SVRG, TRAIN, Cancel, TaskDone, TaskStart, TrainRequest, Upload
+from fedemu.common.ml import cohort, models, training
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.messages import SVRG, TRAIN, Cancel, TaskDone, TaskStart, TrainRequest, Upload
 
 from .test_compression import CLIENT, RUN_SEED, SERVER, _data, _Outbox
 

@@ -6,15 +6,17 @@ import torch
 
 from fedemu.node import Message, Pid, wire
 from fedemu.server.async_engine import AsyncEngine
-from fedemu.server.async_rules import Coop, FedAsync, FedBuff
+from fedemu.common.algorithms.coop import Coop
+from fedemu.common.algorithms.fedasync import FedAsync
+from fedemu.common.algorithms.fedbuff import FedBuff
 from fedemu.server.engine import Settings
 from fedemu.server.runlog import RunLog, read_events
-from fedemu.worker.ml import compression, models
+from fedemu.common.ml import compression, models
 from fedemu.worker.client import Client, _ModelCache
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.ml.compression import (
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.ml.compression import (
     ENCODED_HEADER_BYTES,
     CompressionSpec,
     encoded_size,
@@ -26,9 +28,9 @@ from fedemu.worker.ml.compression import (
     unrotate,
     update_seed,
 )
-from fedemu.worker.protocol import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
-from fedemu.worker.ml.structured import compressed_client_update
-from fedemu.worker.ml.training import client_update, evaluate
+from fedemu.common.messages import AgeReply, AgeRequest, AsyncStart, TrainAgain, Upload
+from fedemu.common.ml.structured import compressed_client_update
+from fedemu.common.ml.training import client_update, evaluate
 
 MNIST = dataset_named("mnist")
 

@@ -103,7 +103,7 @@ windows = [{ clients = "20-29", start_s = 10, end_s = 20 }]
 
 
 def test_m_is_floor_of_C_times_K_at_least_one():
-    from fedemu.server.strategies import selected_per_round
+    from fedemu.common.algorithms.rounds import selected_per_round
 
     assert selected_per_round(0.1, 100) == 10
     assert selected_per_round(0.0001, 100) == 1

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedemu.node import streams
-from fedemu.worker.ml import data, datasets, partition
-from fedemu.worker.ml.datasets import mnist as mnist_sources
+from fedemu.common.ml import data, datasets, partition
+from fedemu.common.ml.datasets import mnist as mnist_sources
 
 
 # --- IDX reader -------------------------------------------------------------
@@ -372,7 +372,7 @@ def test_real_mnist_matches_the_pickle(tmp_path):
     np.testing.assert_array_equal(mnist.test_y, test_y)
 
 
-# --- partitions (worker/ml/partition.py) ---------------------------------------------
+# --- partitions (common/ml/partition.py) ---------------------------------------------
 
 # The real MNIST training-set label counts: none is a multiple of 300.
 MNIST_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -576,7 +576,7 @@ def test_data_stats_shows_the_split_the_nodes_make(tmp_path):
     import sys
 
     from fedemu.launch import config as configuration
-    from fedemu.worker.ml import split
+    from fedemu.common.ml import split
 
     from .test_sweep import tiny_mnist
 

@@ -464,13 +464,13 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     (a Cancel), stops at its next minibatch and sends nothing; then it is selected and
     answers again."""
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.ml.data import Data
-    from fedemu.worker.ml.datasets import get as dataset_named
-    from fedemu.worker.ml.models import ModelSpec
+    from fedemu.common.ml.data import Data
+    from fedemu.common.ml.datasets import get as dataset_named
+    from fedemu.common.ml.models import ModelSpec
 
     MNIST = dataset_named("mnist")
-    from fedemu.worker.ml.models import build, get_flat
-    from fedemu.worker.protocol import TRAIN, Cancel, TrainReply, TrainRequest
+    from fedemu.common.ml.models import build, get_flat
+    from fedemu.common.messages import TRAIN, Cancel, TrainReply, TrainRequest
 
     class CountingCache(_ModelCache):
         """Counts the model's forward passes: one per minibatch, so we know when the

@@ -7,8 +7,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from fedemu.server.strategies import WeightedMean
-from fedemu.worker.ml.exact_sum import ExactSum
+from fedemu.common.algorithms.rounds import WeightedMean
+from fedemu.common.ml.exact_sum import ExactSum
 
 
 def updates(rng, count: int, size: int, scales=(1e-4, 0.05, 3.0)) -> list[tuple[np.ndarray, int]]:
@@ -80,7 +80,7 @@ def test_a_term_is_cut_to_its_grid_exactly_whatever_the_array_it_comes_in():
     """The compiled fold gives each term's integers trunc(n u 2^(40 - e)), as the float64
     formula does, for updates read from the wire (read-only) or strided views; and a
     subtraction takes them all back."""
-    from fedemu.worker.ml.exact_sum import FRACTION_BITS
+    from fedemu.common.ml.exact_sum import FRACTION_BITS
 
     rng = np.random.default_rng(4)
     base = (rng.standard_normal(2 * 3_001) * 0.05).astype(np.float32)
@@ -104,7 +104,7 @@ def test_a_sum_whose_compiled_loop_cannot_load_is_left_as_it_was(monkeypatch):
     broken), the addition raises and the sum has not counted it."""
     import sys
 
-    from fedemu.worker.ml import exact_sum
+    from fedemu.common.ml import exact_sum
 
     one = ExactSum()
     monkeypatch.setattr(exact_sum, "_fold_kernel", None)

@@ -8,7 +8,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
 
 
 def test_there_are_examples_for_every_algorithm():
-    from fedemu.server.algorithm import built_in
+    from fedemu.common.algorithms.base import built_in
 
     names = {config.load(path)["algorithm"]["name"] for path in EXAMPLES}
     assert names == set(built_in())

@@ -24,8 +24,8 @@ import pytest
 import zmq
 
 from fedemu.server.runlog import read_events
-from fedemu.worker.ml import data
-from fedemu.worker.ml.datasets.mnist import Mnist
+from fedemu.common.ml import data
+from fedemu.common.ml.datasets.mnist import Mnist
 
 from .conftest import missing_prerequisite, needs
 from .test_launch import launch, node_pid, processes_of
@@ -629,7 +629,7 @@ def raw_dealer(ctx: zmq.Context, endpoint: str, name: bytes) -> zmq.Socket:
 
 
 def forged_reply(client: int, round_: int, update: np.ndarray):
-    from fedemu.worker.protocol import TRAIN, TrainReply
+    from fedemu.common.messages import TRAIN, TrainReply
 
     return TrainReply(round=round_, client=client, task=TRAIN, update=update, num_samples=100, train_loss=0.0,
                       compute_s=0.0)
@@ -688,7 +688,7 @@ def test_strangers_and_a_buggy_node_cannot_stop_poison_or_freeze_a_virtual_time_
                 stranger.recv_multipart()  # its refusals, read and ignored
             server = server or buggy.whereis("server", timeout=30)
             if server is not None:
-                from fedemu.worker.protocol import WorkerReady
+                from fedemu.common.messages import WorkerReady
 
                 for k in range(4):  # from a process the requests did not go to
                     buggy.send(server, forged_reply(k, round_, np.zeros(199_210, np.float32)))

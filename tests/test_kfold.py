@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.worker.ml import kfold, partition, split
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.datasets import get as dataset_named
+from fedemu.common.ml import kfold, partition, split
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.datasets import get as dataset_named
 
 MNIST = dataset_named("mnist")
 

@@ -221,7 +221,7 @@ def crash_client(run_dir: Path, k: int) -> None:
 
     from fedemu.node import Node
     from fedemu.node.security import load_token
-    from fedemu.worker.protocol import TRAIN, TrainRequest
+    from fedemu.common.messages import TRAIN, TrainRequest
 
     node = Node("crasher", (run_dir / "broker.endpoint").read_text().strip(),
                 token=load_token(run_dir / "run.token")).start()  # a node of the run: it holds the token

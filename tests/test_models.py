@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedemu.worker.ml import models
+from fedemu.common.ml import models
 
 # What each built-in model is built for in these tests, and a batch of its inputs.
 INPUTS = {
@@ -95,7 +95,7 @@ def test_set_flat_rejects_wrong_length():
 
 @pytest.mark.parametrize("name", ["2nn", "cnn"])
 def test_glorot_init_is_tensorflows_default_zero_biases_and_the_glorot_bound(name):
-    from fedemu.worker.ml.datasets import get as dataset_named
+    from fedemu.common.ml.datasets import get as dataset_named
 
     model = models.ModelSpec(name, dataset_named("mnist"), init="glorot").build(seed=4)
     torch_default = models.ModelSpec(name, dataset_named("mnist")).build(seed=4)

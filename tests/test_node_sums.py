@@ -17,9 +17,9 @@ from fedemu.launch import config as configuration
 from fedemu.node import Down, Message, Pid, wire
 from fedemu.server.engine import _RoundBook
 from fedemu.server.runlog import read_events
-from fedemu.worker.ml.exact_sum import ExactSum
+from fedemu.common.ml.exact_sum import ExactSum
 from fedemu.worker.node_sums import KeptUpdates, NodeSums
-from fedemu.worker.protocol import GRADIENT, TRAIN, SumReply, SumRequest, TrainReply
+from fedemu.common.messages import GRADIENT, TRAIN, SumReply, SumRequest, TrainReply
 
 from .test_rounds import ScriptedProc, engine
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from fedemu.launch import config as configuration
-from fedemu.server import algorithm
+from fedemu.common import algorithms
 from fedemu.server.runlog import read_events
-from fedemu.worker.protocol import TRAIN, TrainReply
+from fedemu.common.messages import TRAIN, TrainReply
 
 PLUGIN = Path(__file__).parent.parent / "examples" / "plugin"
 BY_PATH = "fedemu_example_plugin.algorithms:TrimmedMean"
@@ -30,15 +30,15 @@ def plugin_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(PLUGIN))
     # Each test finds the plug-in afresh, as a new process would (the built-ins loaded
     # first, so the registry put back afterwards has them).
-    algorithm.built_in()
-    monkeypatch.setattr(algorithm._registry, "classes", {name: cls for name, cls in algorithm._registry.classes.items()
+    algorithms.built_in()
+    monkeypatch.setattr(algorithms.base._registry, "classes", {name: cls for name, cls in algorithms.base._registry.classes.items()
                                                          if name not in ("trimmedmean", BY_PATH)})
-    from fedemu.worker.ml import models
+    from fedemu.common.ml import models
 
     monkeypatch.setattr(models, "_BUILDERS", dict(models._BUILDERS))
     for name in ("mlp100", MODEL_BY_PATH):
         models._BUILDERS.pop(name, None)
-    from fedemu.worker.ml import datasets
+    from fedemu.common.ml import datasets
 
     datasets.built_in()
     monkeypatch.setattr(datasets._registry, "classes", {name: cls for name, cls in datasets._registry.classes.items()
@@ -74,16 +74,16 @@ def test_a_plugin_by_module_path_brings_its_options_and_their_checks(plugin_on_p
 
 
 def test_a_plugin_by_entry_point_name(plugin_on_path, monkeypatch, tmp_path):
-    with pytest.raises(algorithm.UnknownAlgorithm, match="unknown algorithm 'trimmedmean'"):
-        algorithm.get("trimmedmean")
+    with pytest.raises(algorithms.UnknownAlgorithm, match="unknown algorithm 'trimmedmean'"):
+        algorithms.get("trimmedmean")
     monkeypatch.syspath_prepend(str(_entry_point_dir(tmp_path)))
-    cls = algorithm.get("trimmedmean")
+    cls = algorithms.get("trimmedmean")
     assert cls.__module__ == "fedemu_example_plugin.algorithms" and cls.label == "Trimmed mean"
     assert configuration.load(None, ["algorithm.name=trimmedmean"])["algorithm"]["trim"] == 0.1
 
 
 def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatch, tmp_path):
-    from fedemu.worker.ml import models
+    from fedemu.common.ml import models
 
     assert configuration.load(None, [f"model.name={MODEL_BY_PATH}"])["model"]["name"] == MODEL_BY_PATH
     model = models.build(MODEL_BY_PATH, (1, 28, 28), 10, seed=1)
@@ -100,7 +100,7 @@ def test_a_plugin_model_by_module_path_or_entry_point(plugin_on_path, monkeypatc
 
 
 def test_a_plugin_data_set_by_module_path_or_entry_point(plugin_on_path, monkeypatch, tmp_path):
-    from fedemu.worker.ml import data, datasets
+    from fedemu.common.ml import data, datasets
 
     with pytest.raises(configuration.ConfigError, match="data.dataset: unknown data set 'blobs': fedemu has "
                                                         "mnist, fashion-mnist, cifar10, shakespeare"):
@@ -160,7 +160,7 @@ def test_the_preflight_names_a_plugin_data_set_the_host_cannot_load(tmp_path):
 def test_the_example_plugins_trimmed_mean_hand_computed(plugin_on_path):
     """Five models, trim 0.2: drop the largest and the smallest value of each coordinate
     and average the three left: [1, 2, 3, 100, -50] -> mean(1, 2, 3) = 2; [0, 0, 9, 9, 9] -> 6."""
-    cls = algorithm.get(BY_PATH)
+    cls = algorithms.get(BY_PATH)
     columns = [[1, 2, 3, 100, -50], [0, 0, 9, 9, 9]]
     replies = [TrainReply(round=1, client=k, task=TRAIN, update=np.array([a, b], np.float32), num_samples=10 * (k + 1),
                           train_loss=0.0, compute_s=0.0) for k, (a, b) in enumerate(zip(*columns))]
@@ -212,11 +212,11 @@ def test_scaffolds_client_step_hand_computed(plugin_on_path):
     the client keeps it and sends c_i+ - c_i. A second round starts from the kept c_i."""
     import torch
 
-    from fedemu.worker import tasks
-    from fedemu.worker.ml import models, training
-    from fedemu.worker.ml.datasets import get
-    from fedemu.worker.ml.models import ModelSpec
-    from fedemu.worker.protocol import TrainRequest
+    from fedemu.common.algorithms import tasks
+    from fedemu.common.ml import models, training
+    from fedemu.common.ml.datasets import get
+    from fedemu.common.ml.models import ModelSpec
+    from fedemu.common.messages import TrainRequest
 
     spec = ModelSpec("2nn", get("mnist"))
     model = spec.build()
@@ -249,11 +249,11 @@ def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
     """The client hands a task the same state every round (SCAFFOLD's c_i) and returns
     the task's extra beside the update; the device model charges the task's passes."""
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.ml.data import Data
-    from fedemu.worker.ml.datasets import get
-    from fedemu.worker.ml.devices import ComputeModel
-    from fedemu.worker.ml.models import ModelSpec
-    from fedemu.worker.protocol import TrainRequest
+    from fedemu.common.ml.data import Data
+    from fedemu.common.ml.datasets import get
+    from fedemu.common.ml.devices import ComputeModel
+    from fedemu.common.ml.models import ModelSpec
+    from fedemu.common.messages import TrainRequest
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (40, 28, 28), dtype=np.uint8), rng.integers(0, 10, 40)
@@ -281,7 +281,7 @@ def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
 
 
 def _flat_2nn(spec):
-    from fedemu.worker.ml import models
+    from fedemu.common.ml import models
 
     return models.get_flat(spec.build())
 
@@ -290,7 +290,7 @@ def test_scaffolds_server_step_hand_computed(plugin_on_path):
     """x <- mean of the clients' models (eta_g = 1; weighted by n_k as FedAvg's), or
     x + eta_g (mean - x); c <- c + (1/N) sum delta_c, N the population, and the next round
     sends that c."""
-    from fedemu.server.strategies import Replies
+    from fedemu.common.algorithms.rounds import Replies
 
     sent = []
 
@@ -303,7 +303,7 @@ def test_scaffolds_server_step_hand_computed(plugin_on_path):
                          keep_update=True)
         return replies
 
-    cls = algorithm.get(SCAFFOLD)
+    cls = algorithms.get(SCAFFOLD)
     strategy = cls(lr=0.1)
     strategy.population = 4
     np.testing.assert_allclose(strategy.run_round(run_phase, np.zeros(2, np.float32), 1), [2.5, 5.0])
@@ -365,7 +365,7 @@ def test_a_task_output_that_cannot_travel_is_named():
     logged on the node)."""
     import torch
 
-    from fedemu.worker import tasks
+    from fedemu.common.algorithms import tasks
 
     class Sloppy(tasks.LocalTask):
         name = "sloppy"

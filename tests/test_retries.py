@@ -19,18 +19,19 @@ import pytest
 from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Message, Pid, wire
 from fedemu.server.async_engine import AsyncEngine
-from fedemu.server.async_rules import Coop, FedAsync
+from fedemu.common.algorithms.coop import Coop
+from fedemu.common.algorithms.fedasync import FedAsync
 from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, _ModelCache
-from fedemu.worker.ml.compression import CompressionSpec
-from fedemu.worker.ml.data import Data
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import (
+from fedemu.common.ml.compression import CompressionSpec
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.messages import (
     AgeReply, AgeRequest, AsyncStart, FetchRequest, ModelReply, RetryDue, TrainAgain, Upload, retry_wait,
 )
-from fedemu.worker.stragglers import StragglerSpec
+from fedemu.common.stragglers import StragglerSpec
 
 from .test_compression import RUN_SEED, SERVER, _async_pair, _data
 from .test_launch import launch

@@ -18,10 +18,11 @@ from fedemu.node import TIMEOUT, Message, Pid
 from fedemu.server.checks import check
 from fedemu.server.engine import RoundEngine, Settings, _RoundBook
 from fedemu.server.runlog import RunLog, read_events
-from fedemu.server.strategies import FedAvg, weighted_average
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.models import ModelSpec
-from fedemu.worker.protocol import TRAIN, TrainReply, TrainRequest
+from fedemu.common.algorithms.fedavg import FedAvg
+from fedemu.common.algorithms.rounds import weighted_average
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.messages import TRAIN, TrainReply, TrainRequest
 
 MNIST = dataset_named("mnist")
 
@@ -113,10 +114,10 @@ def test_a_phase_folds_each_update_as_it_arrives_and_keeps_none_unless_the_rule_
 
 def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
     from fedemu.worker.client import Client, _ModelCache
-    from fedemu.worker.ml.data import Data
-    from fedemu.worker.ml.models import build, get_flat
-    from fedemu.worker.protocol import Cancel
-    from fedemu.worker.stragglers import StragglerSpec
+    from fedemu.common.ml.data import Data
+    from fedemu.common.ml.models import build, get_flat
+    from fedemu.common.messages import Cancel
+    from fedemu.common.stragglers import StragglerSpec
 
     class HeldSend:
         cancelled = False
@@ -284,7 +285,7 @@ def test_a_stall_says_whether_a_deadline_is_set(tmp_path, deadline_s, cause):
 
 
 def test_a_worker_ready_counts_only_from_the_node_it_names(tmp_path):
-    from fedemu.worker.protocol import WorkerReady
+    from fedemu.common.messages import WorkerReady
 
     eng = engine(tmp_path)
     own = Message(Pid("w1", 0), WorkerReady("w1", [[0, Pid("w1", 5)]], Pid("w1", 2)))

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedemu.worker.ml import data, models, partition
-from fedemu.worker.ml.datasets import shakespeare
-from fedemu.worker.ml.training import evaluate
+from fedemu.common.ml import data, models, partition
+from fedemu.common.ml.datasets import shakespeare
+from fedemu.common.ml.training import evaluate
 
 PLAY = """HAMLET, PRINCE OF DENMARK
 

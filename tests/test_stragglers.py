@@ -4,7 +4,7 @@ import pytest
 
 from fedemu.launch import config
 from fedemu.launch.config import ConfigError
-from fedemu.worker.stragglers import StragglerSpec
+from fedemu.common.stragglers import StragglerSpec
 
 JITTER = '[data]\nclients = 10\n{header}\ndistribution = "lognormal"\nsigma = 0.5\nper_round = true\n'
 TWO_GROUPS = ('[data]\nclients = 10\n'
@@ -53,9 +53,9 @@ def test_a_bad_group_is_named_by_its_place(tmp_path, text, message):
 
 
 def test_a_clients_own_device_speed_replaces_device_flops_and_its_straggler_factor_multiplies():
-    from fedemu.worker.ml.datasets import get as dataset_named
-    from fedemu.worker.ml.devices import ComputeModel, training_flops_per_example
-    from fedemu.worker.ml.models import ModelSpec
+    from fedemu.common.ml.datasets import get as dataset_named
+    from fedemu.common.ml.devices import ComputeModel, training_flops_per_example
+    from fedemu.common.ml.models import ModelSpec
 
     model = ModelSpec("2nn", dataset_named("mnist"))
     per_example = training_flops_per_example(model)

@@ -4,11 +4,15 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from fedemu.server import algorithm
-from fedemu.server.fedopt import FedAdam, FedYogi
-from fedemu.server.fedprox import FedProx
-from fedemu.server.strategies import FSVRG, Centralised, FedAvg, FedSGD, WeightedMean, weighted_average
-from fedemu.worker.protocol import GRADIENT, SVRG, TRAIN, TrainReply
+from fedemu.common import algorithms
+from fedemu.common.algorithms.fedopt import FedAdam, FedYogi
+from fedemu.common.algorithms.fedprox import FedProx
+from fedemu.common.algorithms.centralised import Centralised
+from fedemu.common.algorithms.fedavg import FedAvg
+from fedemu.common.algorithms.fedsgd import FedSGD
+from fedemu.common.algorithms.fsvrg import FSVRG
+from fedemu.common.algorithms.rounds import WeightedMean, weighted_average
+from fedemu.common.messages import GRADIENT, SVRG, TRAIN, TrainReply
 
 
 def reply(update, n, task=TRAIN):
@@ -107,14 +111,14 @@ def test_fsvrg_sends_the_weighted_full_gradient_then_averages_the_models():
 def test_unknown_algorithm_is_named_with_the_known_ones():
     with pytest.raises(ValueError, match="unknown algorithm 'fedavgg': fedemu has fedavg, fedsgd, fsvrg, "
                                          "centralised, coop, fedasync, fedbuff, fedprox, fedadam, fedyogi"):
-        algorithm.get("fedavgg")
+        algorithms.get("fedavgg")
     with pytest.raises(ValueError, match=r"cannot import 'nosuchpackage.algos' \(No module named 'nosuchpackage'\)"):
-        algorithm.get("nosuchpackage.algos:Mine")
-    with pytest.raises(ValueError, match="module 'fedemu.server.strategies' has no 'Nope'"):
-        algorithm.get("fedemu.server.strategies:Nope")
+        algorithms.get("nosuchpackage.algos:Mine")
+    with pytest.raises(ValueError, match="module 'fedemu.common.algorithms.rounds' has no 'Nope'"):
+        algorithms.get("fedemu.common.algorithms.rounds:Nope")
     with pytest.raises(ValueError, match="not a subclass of fedemu's Strategy or AsyncRule"):
-        algorithm.get("fedemu.server.strategies:weighted_average")
-    assert algorithm.get("fedemu.server.strategies:FedAvg") is FedAvg
+        algorithms.get("fedemu.common.algorithms.rounds:weighted_average")
+    assert algorithms.get("fedemu.common.algorithms.fedavg:FedAvg") is FedAvg
 
 
 def test_fedprox_asks_for_the_proximal_term_and_averages_as_fedavg():

@@ -76,9 +76,9 @@ def test_the_training_side_streams_are_independent_of_each_other():
     """Partition, fold split, shuffling and stragglers each have their own purpose. Under
     the old numbered seeds the IID partition and the IID k-fold split of a seed were the
     same permutation; now they are independent draws."""
-    from fedemu.worker.ml import kfold, partition
+    from fedemu.common.ml import kfold, partition
     from fedemu.worker.client import client_generator
-    from fedemu.worker.stragglers import StragglerSpec
+    from fedemu.common.stragglers import StragglerSpec
 
     n, clients = 1000, 10
     by_partition = np.concatenate(partition.iid(n, clients, seed=4))

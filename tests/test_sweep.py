@@ -349,7 +349,7 @@ def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
 
 def tiny_mnist(cache: Path, n_train: int = 400, n_test: int = 100) -> None:
     """A learnable stand-in for MNIST in a cache folder: class c lights up rows 2c+2..2c+3."""
-    from fedemu.worker.ml import data
+    from fedemu.common.ml import data
 
     rng = np.random.default_rng(0)
     arrays = {}

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fedemu.worker.ml import models
-from fedemu.worker.ml.datasets import get as dataset_named
-from fedemu.worker.ml.training import (
+from fedemu.common.ml import models
+from fedemu.common.ml.datasets import get as dataset_named
+from fedemu.common.ml.training import (
     TrainResult,
     client_update,
     evaluate,
@@ -211,7 +211,7 @@ def _tiny_problem(seed: int = 0, n: int = 12):
 
 
 def test_svrg_pass_matches_a_hand_written_loop():
-    from fedemu.worker.ml import models, training
+    from fedemu.common.ml import models, training
 
     images, labels = _tiny_problem()
     model = models.build("2nn", (1, 28, 28), 10, seed=3)
@@ -239,7 +239,7 @@ def test_svrg_pass_matches_a_hand_written_loop():
 
 def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
     """At w = w_t the variance-reduced direction is exactly grad f(w_t)."""
-    from fedemu.worker.ml import models, training
+    from fedemu.common.ml import models, training
 
     images, labels = _tiny_problem(n=1)
     model, anchor = models.build("2nn", (1, 28, 28), 10, seed=1), models.build("2nn", (1, 28, 28), 10, seed=1)
@@ -251,7 +251,7 @@ def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
 
 
 def test_keras_decay_lowers_each_steps_learning_rate():
-    from fedemu.worker.ml import models, training
+    from fedemu.common.ml import models, training
 
     images, labels = _tiny_problem(n=4)
     decayed = models.build("2nn", (1, 28, 28), 10, seed=5)
@@ -267,7 +267,7 @@ def test_keras_decay_lowers_each_steps_learning_rate():
 
 def test_svrg_fast_mlp_path_equals_the_autograd_path():
     """The 2NN takes an analytic path; it must compute exactly what autograd does."""
-    from fedemu.worker.ml import models, training
+    from fedemu.common.ml import models, training
 
     images, labels = _tiny_problem(seed=4, n=30)
     full = np.random.default_rng(9).standard_normal(199_210).astype(np.float32) * 0.01

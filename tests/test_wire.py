@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import Down, Pid, WireError, wire
-from fedemu.worker.protocol import TrainRequest
+from fedemu.common.messages import TrainRequest
 
 SRC, DST = Pid("a", 1), Pid("b", 2)
 
@@ -128,7 +128,7 @@ def test_the_brokers_fast_check_takes_exactly_the_well_formed_user_headers():
 def test_a_payload_with_a_link_charge_has_it_in_its_header():
     """What a node sends for an update it keeps (aggregation on the nodes): the header
     carries the bytes the update would have added, which the broker charges on the link."""
-    from fedemu.worker.protocol import TRAIN, TrainReply
+    from fedemu.common.messages import TRAIN, TrainReply
 
     reply = TrainReply(round=1, client=3, task=TRAIN, update=None, num_samples=1, train_loss=0.0, compute_s=0.0,
                        link_charge=796_853)

@@ -16,21 +16,21 @@ import torch
 from fedemu.node import streams
 from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
 
-from .ml import cohort, models, training
-from .ml.data import Data
-from .ml.models import ModelSpec
-from . import tasks
-from .protocol import (
+from fedemu.common.ml import cohort, models, training
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.algorithms import tasks
+from fedemu.common.messages import (
     AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, CheckIn, FetchRequest, ModelReply, RetryDue, TaskDone,
     TaskStart, TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait, update_problem,
 )
-from .ml.compression import UpdateCodec, update_seed
-from .ml.devices import ComputeModel
+from fedemu.common.ml.compression import UpdateCodec, update_seed
+from fedemu.common.ml.devices import ComputeModel
 from .cohorts import CohortTrainer, Failed, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
-from .stragglers import StragglerGroups, StragglerSpec
-from .ml.structured import compressed_client_update
-from .tasks import codec_for
+from fedemu.common.stragglers import StragglerGroups, StragglerSpec
+from fedemu.common.ml.structured import compressed_client_update
+from fedemu.common.algorithms.tasks import codec_for
 
 log = logging.getLogger("fedemu.worker")
 
@@ -86,7 +86,7 @@ class Client(Behaviour):
         self.stragglers = stragglers
         self.compute = compute  # what local work costs in emulated time (devices.py)
         self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
-        self.task_state: dict = {}  # a local task's state between rounds (worker.tasks.TaskInput.state)
+        self.task_state: dict = {}  # a local task's state between rounds (common.algorithms.tasks.TaskInput.state)
         self._async: AsyncStart | None = None
         self._server: Pid | None = None
         self._task_server: Pid | None = None  # who starts this client's tasks (algorithm.concurrency)
@@ -287,7 +287,7 @@ class Client(Behaviour):
             anchor=self._anchors.get(self.model) if task.needs_anchor else None)
 
     def _run_task(self, request: TrainRequest) -> tuple[TrainReply, float]:
-        """The local work a request asks for (worker.tasks), and how long to hold its reply back."""
+        """The local work a request asks for (common.algorithms.tasks), and how long to hold its reply back."""
         started, started_cpu = time.perf_counter(), time.thread_time()  # wall: measured compute
         task = tasks.get(request.task)
         model = self._cache.get(self.model)

@@ -1,5 +1,5 @@
 """A worker node's cohort trainer (``run.cohort = "auto"``): the local work its clients
-have in hand at once, computed together (worker/ml/cohort.py computes it).
+have in hand at once, computed together (common/ml/cohort.py computes it).
 
 A client whose TrainRequest names a task that can run as a cohort does not train at
 once: it hands the job to its node's trainer (``Process.hand``: no message, no link)
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Callable
 
 from fedemu.node import Behaviour, BehaviourProcess, Message, Pid
 
-from . import tasks
-from .ml import cohort
-from .protocol import TrainRequest
+from fedemu.common.algorithms import tasks
+from fedemu.common.ml import cohort
+from fedemu.common.messages import TrainRequest
 
 if TYPE_CHECKING:
     from .client import Client, _ModelCache

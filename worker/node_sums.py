@@ -1,7 +1,7 @@
 """Aggregation on the worker nodes (``run.aggregation = "nodes"``): a client keeps its
 update at its node and answers the server with a token that weighs, on its link, what
 the update would have; as the phase closes the server asks each node for the exact sum
-(worker/ml/exact_sum.py) of the updates that counted, and adds the node sums. A round of
+(common/ml/exact_sum.py) of the updates that counted, and adds the node sums. A round of
 1,000 clients then moves a few sums through the broker instead of 1,000 models, and the
 model is the same bits whatever node hosts which client.
 """
@@ -14,8 +14,8 @@ import numpy as np
 
 from fedemu.node import Behaviour, BehaviourProcess, Message, wire
 
-from .ml.exact_sum import ExactSum
-from .protocol import SumReply, SumRequest, TrainReply
+from fedemu.common.ml.exact_sum import ExactSum
+from fedemu.common.messages import SumReply, SumRequest, TrainReply
 
 log = logging.getLogger(__name__)
 

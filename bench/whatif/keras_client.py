@@ -150,7 +150,7 @@ class TorchCars:
     def __init__(self) -> None:
         import torch
 
-        from fedemu.worker.ml import models, training
+        from fedemu.common.ml import models, training
 
         torch.set_num_threads(1)
         self.torch, self.training = torch, training

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from fedemu.worker.ml.datasets.mnist import Mnist
+from fedemu.common.ml.datasets.mnist import Mnist
 
 _EPSILON = 1e-7  # Keras 2's backend epsilon()
 

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from fedemu.node.schema import Key
-from fedemu.server.strategies import FSVRG
-from fedemu.worker.ml import data, kfold, models, training
-from fedemu.worker.protocol import GRADIENT, SVRG
+from fedemu.common.algorithms.fsvrg import FSVRG
+from fedemu.common.ml import data, kfold, models, training
+from fedemu.common.messages import GRADIENT, SVRG
 
 GRADIENT_SETS = ("their-cars", "their-cars-in-training")
 # The data settings of examples/fsvrg-*-nilsson.toml the plug-in cuts its folds with.

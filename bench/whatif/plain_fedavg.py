@@ -29,7 +29,7 @@ from fedemu.launch.results import time_to_target
 
 
 def mnist_cache() -> Path:
-    from fedemu.worker.ml.data import LAYOUT, cache_dir
+    from fedemu.common.ml.data import LAYOUT, cache_dir
 
     folder = cache_dir() / LAYOUT / "mnist"
     if not (folder / "train_x.npy").exists():

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedemu.worker.ml.datasets.mnist import Mnist
+from fedemu.common.ml.datasets.mnist import Mnist
 
 SEED = 20180502  # their notebook's
 FOLDS, SHARD_SIZE, SHARDS_PER_CAR = 5, 70, 2
@@ -71,7 +71,7 @@ def split(images: np.ndarray, labels: np.ndarray) -> list[list[np.ndarray]]:
 
 def pooled() -> tuple[np.ndarray, np.ndarray]:
     """MNIST's training then test images and labels, as fedemu caches them."""
-    from fedemu.worker.ml import data
+    from fedemu.common.ml import data
 
     mnist = data.load("mnist")
     return (np.concatenate([mnist.train_x, mnist.test_x]).reshape(-1, 28, 28),

@@ -41,7 +41,7 @@ ASSIGN = ("index", "random")
 
 
 # Device classes: a compute speed and where it comes from. flops is training FLOP/s,
-# counted as fedemu counts a model's training FLOPs (worker/ml/devices.py): the
+# counted as fedemu counts a model's training FLOPs (common/ml/devices.py): the
 # forward pass's multiply-adds x 2, the same again for the weight gradients and for
 # the input gradients (3 x 2 x MACs per example).
 _RPI5_RESNET18_S_PER_IMAGE = 116.850590 / (20 * 16)  # t_train of 20 batches of 16 images

@@ -1,4 +1,4 @@
-"""fedemu.worker.ml — the machine-learning library: data sets and partitions, models,
-local training, evaluation, update compression and the device model. It runs no
-process and sends no message: the client process (``fedemu.worker.client``) and the
-server (``fedemu.server``) both call it."""
+"""Moved to fedemu.common.ml (issue 51): this old path still imports, with a DeprecationWarning."""
+from fedemu.common import moved
+
+moved.alias_package(__name__, "fedemu.common.ml")

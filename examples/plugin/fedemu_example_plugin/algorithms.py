@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from fedemu.node.schema import Key
-from fedemu.server.strategies import Strategy
-from fedemu.worker.protocol import TRAIN
+from fedemu.common.algorithms.rounds import Strategy
+from fedemu.common.messages import TRAIN
 
 
 class TrimmedMean(Strategy):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedemu.worker.ml.datasets import Dataset, DatasetError, register
+from fedemu.common.ml.datasets import Dataset, DatasetError, register
 
 FEATURES, CLASSES = 20, 4
 TRAIN, TEST = 2_000, 500

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from fedemu.node.schema import MAX_LEARNING_RATE, Key, interval
-from fedemu.server.strategies import Strategy
-from fedemu.worker.ml import models, training
-from fedemu.worker.tasks import LocalTask, TaskOutput
+from fedemu.common.algorithms.rounds import Strategy
+from fedemu.common.ml import models, training
+from fedemu.common.algorithms.tasks import LocalTask, TaskOutput
 
 
 class ScaffoldTrain(LocalTask):

@@ -16,7 +16,7 @@ A data set is one class in one module, a subclass of :class:`Dataset` (or of
 - how arrays become tensors: ``inputs(x, train)``, ``targets(y)``, ``augment`` (training
   batches only), ``loss`` and ``ignore_label`` (a target value never scored: padding).
 
-The cache (``fedemu.worker.ml.data``) converts a data set once, verifies it and maps it
+The cache (``fedemu.common.ml.data``) converts a data set once, verifies it and maps it
 into memory; it needs nothing else from the class. ``@register`` files a class under its
 name; the built-ins use it as a user's plug-in would. ``get(name)`` returns a built-in,
 an installed plug-in (the ``fedemu.datasets`` entry-point group) or, for a name with a
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     import torch
 
 ENTRY_POINT_GROUP = "fedemu.datasets"
-BUILT_IN_MODULES = ("fedemu.worker.ml.datasets.mnist", "fedemu.worker.ml.datasets.cifar10",
-                    "fedemu.worker.ml.datasets.shakespeare")
+BUILT_IN_MODULES = ("fedemu.common.ml.datasets.mnist", "fedemu.common.ml.datasets.cifar10",
+                    "fedemu.common.ml.datasets.shakespeare")
 
 Progress = Callable[[str], None]
 Arrays = dict[str, np.ndarray]

@@ -1,4 +1,4 @@
-"""The data cache: every data set (``fedemu.worker.ml.datasets``) fetched once, with no
+"""The data cache: every data set (``fedemu.common.ml.datasets``) fetched once, with no
 manual step, into ``cache_dir()/v2/<name>/`` as plain ``.npy`` files (``train_x``,
 ``train_y``, ``test_x``, ``test_y``, and ``train_client``, ``test_client`` for data sets
 with natural clients), then memory-mapped, so a node that trains only a few clients
