@@ -25,11 +25,11 @@ class TrainRequest:
     lr: float  # eta; for SVRG the stepsize h (the client uses h / n_k)
     seed: int  # run seed; the client derives its shuffling from (seed, round, client)
     lr_decay: float = 0.0  # Keras-style, per local iteration over the client's life
-    full_gradient: np.ndarray | None = None  # SVRG: grad f(w_t) from phase 1
-    compression: dict | None = None  # TRAIN: send the update encoded (CompressionSpec.to_dict())
-    prox_mu: float = 0.0  # TRAIN: add FedProx's proximal term mu/2 ||w - weights||^2 to the local objective
+    compression: dict | None = None  # a task that encodes_update: send the update encoded (CompressionSpec.to_dict())
     keep_at_node: bool = False  # run.aggregation = "nodes": the update stays at the client's node (NodeSums)
-    extra: dict | None = None  # a plug-in task's own inputs (common.algorithms.tasks): names to numbers or arrays
+    # The algorithm's own inputs to its task (common.algorithms.tasks): names to numbers or
+    # arrays (FedProx's mu, FSVRG's full gradient, a plug-in's control variate).
+    extra: dict | None = None
 
 
 @message
@@ -89,19 +89,11 @@ class Cancel:
 # server (``model``): the client never has to count what it received.
 
 
-# What an over-active CO-OP client (a - a_k < b_l) does with the model it just trained.
-# "retrain": discard it and train again from the last model the server sent, age
-# unchanged, as Nilsson et al.'s code does (clients.erl, edge_handler_indef: too_often
-# recurses with the old Model). "continue": keep training from the trained model, the
-# literal reading of the paper's Algorithm 3 ("continue // Client is overactive").
-OVER_ACTIVE = ("retrain", "continue")
-
-
 @message
 class AsyncStart:
     """Start training asynchronously from ``weights``; the client loops on its own."""
 
-    rule: str  # the algorithm's name, for the client's log
+    rule: str  # the algorithm (algorithms.reference): the client finds its policy by it
     weights: np.ndarray
     age: int  # the client's initial age a_k (CO-OP: 0) or model version
     epochs: int
@@ -109,11 +101,8 @@ class AsyncStart:
     lr: float
     lr_decay: float
     seed: int
-    b_l: int = 0  # CO-OP age filter
-    b_u: int = 0
-    over_active: str = ""  # CO-OP: what a client does when a - a_k < b_l (OVER_ACTIVE)
-    asks_age: bool = False  # apply the age filter [b_l, b_u]: ask the server's age before uploading (CO-OP)
-    uploads_delta: bool = False  # upload w_k minus the model trained from, not w_k (FedBuff)
+    # What the rule's client policy needs (AsyncRule.client_payload: CO-OP's age filter).
+    extra: dict | None = None
     compression: dict | None = None  # upload the delta from the base model encoded (CompressionSpec.to_dict())
     model: int = 0  # the server's number for this model (its count of models sent to this client)
     retry_s: float = 0.0  # emulated seconds without a reply before a request is resent; 0: never

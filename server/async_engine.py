@@ -1,16 +1,19 @@
 """Asynchronous aggregation: CO-OP (Nilsson et al. 2018, Algorithm 3), FedAsync (Xie et
 al. 2019) and FedBuff (Nguyen et al. 2022) on one engine.
 
-Every client loops on its own (train E epochs, then ask or upload); the server answers
-each message as it comes. A rule (``async_rules.py``) says how an upload is merged. Evaluation runs every
+Every client loops on its own (train E epochs, then what its rule's client policy
+decides: upload, or ask the server's age first); the server answers each message as it
+comes. A rule (``fedemu.common.algorithms``: ``coop``, ``fedasync``, ``fedbuff``) says how
+an upload is merged and, for its clients, what they decide. Evaluation runs every
 ``eval_every`` uploads (Nilsson evaluated every 10th: as many uploads as one FedAvg
 round at C = 0.1) and each evaluation is written as a ``round`` event, so tools read
 synchronous and asynchronous runs alike.
 
-CO-OP can deadlock (Nilsson's Theorem A.1). The server knows every client's age a_k
-exactly (a_k only changes through the server's replies), so it detects the state where
-every live client is over-active (a - a_k < b_l for all k): a can never grow again.
-It then stops with a ``deadlock`` event, or recovers if the config asks for that.
+A rule can deadlock: CO-OP when every live client is over-active (Nilsson's Theorem
+A.1). The server knows every client's age a_k exactly (a_k only changes through the
+server's replies), so after each message it asks the rule (``AsyncRule.deadlock``)
+whether no upload can ever be merged again. It then stops with a ``deadlock`` event, or
+recovers (``recovered_age``) if the config asks for that.
 
 With [compression], every rule's clients send the delta from the last model they received
 (the n-th, ``Upload.base``), encoded with the seed of (run seed, n, client). FedBuff merges
@@ -50,13 +53,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
-from fedemu.common.ml.data import Data
-from fedemu.common.ml.models import ModelSpec
+from fedemu.common import algorithms
+from fedemu.common.algorithms.asynchronous import AsyncRule
 from fedemu.common.messages import (AgeReply, AgeRequest, AsyncStart, AsyncStop, CheckIn, FetchRequest, ModelReply,
                                     TaskDone, TaskStart, Upload, WorkerReady, retry_wait)
+from fedemu.common.ml.data import Data
+from fedemu.common.ml.models import ModelSpec
+from fedemu.node import TIMEOUT, Down, Message, Pid, ThreadProcess, streams
 
-from fedemu.common.algorithms.asynchronous import AsyncRule
 from .engine import Engine, Settings
 from .runlog import RunLog
 
@@ -104,6 +108,7 @@ class AsyncEngine(Engine):
         self._task_rows: list[tuple] = []
         self.late_uploads = 0  # uploads from clients whose task had been given away
         self.algorithm = rule.name
+        self._rule_reference = algorithms.reference(type(rule))  # how the clients find its client half
         self.lr, self.lr_decay = lr, lr_decay
         self.on_deadlock = on_deadlock
         self.age = rule.server_age_start()
@@ -173,8 +178,8 @@ class AsyncEngine(Engine):
             heapq.heappush(self._task_timeouts, (now + self.concurrency.timeout_s, k, n))
         s = self.settings
         start = TaskStart(
-            rule=self.rule.name, weights=self.weights, age=self.age, epochs=s.epochs, batch_size=s.batch_size,
-            lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, uploads_delta=self.rule.uploads_delta,
+            rule=self._rule_reference, weights=self.weights, age=self.age, epochs=s.epochs, batch_size=s.batch_size,
+            lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, extra=self.rule.client_payload(),
             compression=s.compression if self.codec else None, retry_s=s.retry_s)
         self.ages[k] = self.age
         self.doing[k] = "training (a task)"
@@ -227,12 +232,10 @@ class AsyncEngine(Engine):
         """Start the asynchronous loops of clients ``ks`` from the current global model: one
         AsyncStart for all of them, sent as one copy per worker node (``send_many``)."""
         s = self.settings
-        b_l, b_u = self.rule.age_filter or (0, 0)
         start = AsyncStart(
-            rule=self.rule.name, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
-            batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed, b_l=b_l, b_u=b_u,
-            over_active=getattr(self.rule, "over_active", ""), asks_age=self.rule.age_filter is not None,
-            uploads_delta=self.rule.uploads_delta, compression=s.compression if self.codec else None,
+            rule=self._rule_reference, weights=self.weights, age=self.rule.client_age_start, epochs=s.epochs,
+            batch_size=s.batch_size, lr=self.lr, lr_decay=self.lr_decay, seed=s.seed,
+            extra=self.rule.client_payload(), compression=s.compression if self.codec else None,
             retry_s=s.retry_s, model=1)  # each client's first model from this server (see _send_model)
         self.totals.asked.update(ks)
         for k in ks:
@@ -309,17 +312,15 @@ class AsyncEngine(Engine):
                     self._stall(self._evaluation)
                     last_progress = time.monotonic()  # wall
                 continue
-            if self.rule.age_filter is not None and self._all_over_active():
+            cause = self.rule.deadlock(self.age, self.ages, self.live)
+            if cause is not None:
                 if self.on_deadlock != "recover":
-                    self.runlog.event("deadlock", round=self._evaluation, cause=self._deadlock_cause(), age=self.age,
+                    self.runlog.event("deadlock", round=self._evaluation, cause=cause, age=self.age,
                                       ages={k: self.ages[k] for k in sorted(self.live)})
-                    return "failed", f"deadlock: {self._deadlock_cause()}"
-                # Recovery: advance the global age just enough that the stalest live
-                # client passes the lower bound again.
-                widest = max(self.age - self.ages[k] for k in self.live)
-                new_age = self.age + (self.rule.age_filter[0] - widest)
-                self.runlog.event("recovered", round=self._evaluation, cause=self._deadlock_cause(),
-                                  age_before=self.age, age_after=new_age)
+                    return "failed", f"deadlock: {cause}"
+                new_age = self.rule.recovered_age(self.age, self.ages, self.live)
+                self.runlog.event("recovered", round=self._evaluation, cause=cause, age_before=self.age,
+                                  age_after=new_age)
                 self.age = new_age
 
     def _handle(self, proc: ThreadProcess, msg: Message) -> tuple[str, str] | None:
@@ -488,16 +489,6 @@ class AsyncEngine(Engine):
         t = self.totals
         return f"{t.uploads:,} uploads, none merged; {len(t.faults):,} clients lost"
 
-    def _all_over_active(self) -> bool:
-        return bool(self.live) and all(self.age - self.ages[k] < self.rule.age_filter[0] for k in self.live)
-
-    def _deadlock_cause(self) -> str:
-        gaps = sorted(self.age - self.ages[k] for k in self.live)
-        b_l, b_u = self.rule.age_filter
-        return (f"every live client is over-active: a - a_k ranges {gaps[0]}..{gaps[-1]}, all below "
-                f"b_l = {b_l}, so no upload can pass the age filter and a cannot grow "
-                f"(a = {self.age}, {len(self.live)} live clients, b_u = {b_u})")
-
     def _evaluation_event(self, proc: ThreadProcess, evaluation: int, merges: int, uploaders: list[int]) -> str | None:
         accuracy, loss = self._evaluate()
         traffic, broker, _ = self._traffic_since_last(proc, evaluation)
@@ -511,7 +502,7 @@ class AsyncEngine(Engine):
             offline=broker.get("offline", []), emulated_s=broker["emulated_s"],
             round_emulated_s=round(proc.now() - self._period_started, 6),
             duplicate_requests=self.duplicates, starts_resent=self.starts_resent,
-            **({"age_requests": self.age_requests, "fetches": self.fetches} if self.rule.age_filter is not None else {}),
+            **({"age_requests": self.age_requests, "fetches": self.fetches} if self.rule.client.asks_age else {}),
             **({"training": len(self.tasks), "tasks_started": self._task_count, "late_uploads": self.late_uploads}
                if self.concurrency.tasks else {}),
         )

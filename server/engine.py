@@ -26,21 +26,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedemu.node import streams
-from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message
+from fedemu.common.algorithms import tasks
+from fedemu.common.algorithms.base import aggregation_problem
+from fedemu.common.algorithms.rounds import Replies, Strategy, selected_per_round
+from fedemu.common.messages import (Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
+                                    as_pid_map, update_problem)
 from fedemu.common.ml import models, training
+from fedemu.common.ml.compression import make_codec, parameter_shapes, update_seed
 from fedemu.common.ml.data import Data
 from fedemu.common.ml.models import ModelSpec
-from fedemu.common.ml.compression import make_codec, parameter_shapes, update_seed
-from fedemu.common.algorithms import tasks
 from fedemu.common.stragglers import StragglerGroups, StragglerSpec
-from fedemu.common.messages import (TRAIN, Cancel, SumReply, SumRequest, TrainReply, TrainRequest, WorkerReady,
-                                    as_pid_map, update_problem)
+from fedemu.node import TIMEOUT, Down, NodeError, Pid, Stalled, ThreadProcess, message, streams
 
-from fedemu.common.algorithms.base import aggregation_problem
 from .outcome import NodeExits, losses, nothing_aggregated
 from .runlog import CLIENTS, RunLog, RunLogError
-from fedemu.common.algorithms.rounds import Replies, Strategy, selected_per_round
 from .timeline import CLIENT_COLUMNS, OUTCOMES, ClientRound, Facts, Timeline
 
 log = logging.getLogger("fedemu.server")
@@ -548,14 +547,13 @@ class RoundEngine(Engine):
         return message
 
     def _phase(self, proc: ThreadProcess, round_: int, book: _RoundBook, task: str | type[tasks.LocalTask],
-               lr: float, lr_decay: float = 0.0, full_gradient: np.ndarray | None = None,
-               prox_mu: float = 0.0, extra: dict | None = None) -> list[TrainReply] | None:
+               lr: float, lr_decay: float = 0.0, extra: dict | None = None) -> list[TrainReply] | None:
         s = self.settings
+        encodes = (task if isinstance(task, type) else tasks.get(task)).encodes_update
         task = tasks.reference(task)
         request = TrainRequest(round=round_, task=task, weights=self.weights, epochs=s.epochs,
                                batch_size=s.batch_size, lr=lr, seed=s.seed, lr_decay=lr_decay,
-                               full_gradient=full_gradient, prox_mu=prox_mu,
-                               compression=s.compression if task == TRAIN and self.codec else None,
+                               compression=s.compression if encodes and self.codec else None,
                                keep_at_node=self.at_nodes, extra=extra)
         asked = [k for k in book.selected if k in self.live]
         proc.send_many([self.pids[k] for k in asked], request)  # one copy per worker node

@@ -36,6 +36,7 @@ class TensorBoardLog:
     evaluation for asynchronous rules), flushed after each."""
 
     def __init__(self, run_dir: str | Path, config_text: str) -> None:
+        # optional: imported only when run.tensorboard asks for event files
         from tensorboardX import SummaryWriter
 
         self.folder = Path(run_dir) / FOLDER

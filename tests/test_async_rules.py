@@ -10,7 +10,7 @@ from fedemu.common.algorithms.fedbuff import FedBuff
 from fedemu.server.checks import check
 from fedemu.node import Message
 from fedemu.common.ml import models
-from fedemu.worker.client import Client, _ModelCache, client_generator
+from fedemu.worker.client import Client, ModelCache, client_generator
 from fedemu.common.ml.data import Data
 from fedemu.common.ml.datasets import get as dataset_named
 from fedemu.common.ml.models import ModelSpec
@@ -159,11 +159,11 @@ def test_an_over_active_coop_client_trains_again_from_the_model_its_rule_names(o
     images, labels = _data(20)
     dataset = Data("fake", MNIST, images, labels, images, labels)
     base = models.get_flat(models.build("2nn", (1, 28, 28), 10, seed=3))
-    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), _ModelCache())
+    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), ModelCache())
     device = _Outbox()
     device.pid = CLIENT
-    start = AsyncStart(rule="coop", asks_age=True, weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
-                       seed=RUN_SEED, b_l=2, b_u=5, over_active=over_active)
+    start = AsyncStart(rule="coop", weights=base, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.01,
+                       seed=RUN_SEED, extra=Coop(b_l=2, b_u=5, over_active=over_active).client_payload())
     client.handle(device, Message(SERVER, start))
     trained_once = client._weights.copy()
     assert isinstance(device.sent[-1], AgeRequest)

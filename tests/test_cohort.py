@@ -22,7 +22,9 @@ from torch import nn
 from fedemu.node import Behaviour, Message, Node, Pid
 from fedemu.server.runlog import read_events
 from fedemu.common.algorithms import tasks
-from fedemu.worker.client import Client, _ModelCache
+from fedemu.common.algorithms.fedprox import ProximalTerm, proximal_term
+from fedemu.common.algorithms.fsvrg import svrg_cohort, svrg_pass
+from fedemu.worker.client import Client, ModelCache
 from fedemu.worker.cohorts import CohortTrainer
 from fedemu.common.ml import cohort, models, training
 from fedemu.common.ml.data import Data
@@ -57,9 +59,21 @@ def model_and_weights(name: str = "2nn") -> tuple[nn.Module, np.ndarray]:
     return model, models.get_flat(model)
 
 
-def alone(model: nn.Module, start: np.ndarray, x, y, k: int, **kwargs) -> training.TrainResult:
+def alone(model: nn.Module, start: np.ndarray, x, y, k: int, prox_mu: float = 0.0, **kwargs) -> training.TrainResult:
+    """The client's own training; with FedProx's proximal term when ``prox_mu``."""
     models.set_flat(model, start)
-    return training.client_update(model, x, y, generator=torch.Generator().manual_seed(k), dataset=MNIST, **kwargs)
+    hook = proximal_term(models.parameters_of(model), prox_mu) if prox_mu else None
+    return training.client_update(model, x, y, generator=torch.Generator().manual_seed(k), dataset=MNIST,
+                                  after_backward=hook, **kwargs)
+
+
+def member(x, y, start, prox_mu: float = 0.0, **kwargs) -> cohort.Member:
+    """A cohort member, with FedProx's mu in its extra when ``prox_mu``."""
+    return cohort.Member(x=x, y=y, start=start, extra={"mu": prox_mu}, **kwargs)
+
+
+def train_together(model, members, prox_mu: float = 0.0, **kwargs):
+    return cohort.train(model, members, MNIST, term=ProximalTerm() if prox_mu else None, **kwargs)
 
 
 def same(a: training.TrainResult, b: training.TrainResult | None) -> bool:
@@ -102,9 +116,9 @@ def test_each_members_update_is_what_it_trains_alone_bit_for_bit(case, own_start
     starts = [w0 + rng.normal(0, 0.01, w0.shape).astype(np.float32) if own_starts else w0 for _ in SIZES]
     iterations = [0, 3, 5, 0, 100, 7]
     data = examples(SIZES)
-    members = [cohort.Member(x=x, y=y, start=starts[k], generator=torch.Generator().manual_seed(k),
-                             start_iteration=iterations[k], **kwargs) for k, (x, y) in enumerate(data)]
-    together = cohort.train(model, members, MNIST)
+    members = [member(x, y, starts[k], generator=torch.Generator().manual_seed(k), start_iteration=iterations[k],
+                      **kwargs) for k, (x, y) in enumerate(data)]
+    together = train_together(model, members, kwargs.get("prox_mu", 0.0))
     for k, (x, y) in enumerate(data):
         own = alone(model, starts[k], x, y, k, start_iteration=iterations[k], **kwargs)
         assert same(own, together[k]), f"member {k} ({SIZES[k]} examples)"
@@ -133,15 +147,15 @@ def test_fsvrg_gradient_and_pass_are_what_each_client_computes_alone():
         assert together is not None and gradient.tobytes() == together[0].tobytes() and loss == together[1]
     full = np.random.default_rng(2).normal(0, 0.01, w0.shape).astype(np.float32)
     data = data[2:] + examples([60], seed=3)
-    passes = cohort.svrg(model, [cohort.Member(x=x, y=y, start=w0, full_gradient=full, stepsize=0.5,
+    passes = svrg_cohort(model, [cohort.Member(x=x, y=y, start=w0, extra={"full_gradient": full, "stepsize": 0.5},
                                                generator=torch.Generator().manual_seed(k))
                                  for k, (x, y) in enumerate(data)], MNIST)
     anchor = ModelSpec("2nn", MNIST).build()
     for k, (x, y) in enumerate(data):
         models.set_flat(model, w0)
         models.set_flat(anchor, w0)
-        own = training.svrg_pass(model, x, y, anchor=anchor, full_gradient=full, stepsize=0.5,
-                                 generator=torch.Generator().manual_seed(k), dataset=MNIST)
+        own = svrg_pass(model, x, y, anchor=anchor, full_gradient=full, stepsize=0.5,
+                        generator=torch.Generator().manual_seed(k), dataset=MNIST)
         assert passes[k] is not None and own.weights.tobytes() == passes[k].weights.tobytes()
         assert own.train_loss == passes[k].train_loss
 
@@ -156,9 +170,10 @@ def test_a_member_that_stops_part_way_stops_alone(task):
     if task == "fsvrg-gradient":  # the 4,500-example client stops before its second piece of 2,000
         stops = [StopAfter(2), None, None, StopAfter(1)]
     full = np.zeros_like(w0)
+    mu = 0.1 if task == "fedprox" else 0.0
     members = [cohort.Member(x=x, y=y, start=w0, generator=torch.Generator().manual_seed(k), stop=stops[k],
-                             epochs=2, batch_size=10, lr=0.1, prox_mu=0.1 if task == "fedprox" else 0.0,
-                             full_gradient=full, stepsize=0.5)
+                             epochs=2, batch_size=10, lr=0.1,
+                             extra={"mu": mu, "full_gradient": full, "stepsize": 0.5})
                for k, (x, y) in enumerate(data)]
     if task == "fsvrg-gradient":
         results = cohort.gradients(model, members, MNIST)
@@ -167,8 +182,7 @@ def test_a_member_that_stops_part_way_stops_alone(task):
             models.set_flat(model, w0)
             assert training.local_gradient(model, *data[k], MNIST)[0].tobytes() == results[k][0].tobytes()
         return
-    run = cohort.svrg if task == "fsvrg-pass" else cohort.train
-    results = run(model, members, MNIST)
+    results = svrg_cohort(model, members, MNIST) if task == "fsvrg-pass" else train_together(model, members, mu)
     assert results[1] is None and results[3] is None and stops[1].seen == 3
     for k in (0, 2):
         x, y = data[k]
@@ -176,12 +190,11 @@ def test_a_member_that_stops_part_way_stops_alone(task):
             anchor = ModelSpec("2nn", MNIST).build()
             models.set_flat(model, w0)
             models.set_flat(anchor, w0)
-            own = training.svrg_pass(model, x, y, anchor=anchor, full_gradient=full, stepsize=0.5,
-                                     generator=torch.Generator().manual_seed(k), dataset=MNIST)
+            own = svrg_pass(model, x, y, anchor=anchor, full_gradient=full, stepsize=0.5,
+                            generator=torch.Generator().manual_seed(k), dataset=MNIST)
             assert own.weights.tobytes() == results[k].weights.tobytes()
         else:
-            assert same(alone(model, w0, x, y, k, epochs=2, batch_size=10, lr=0.1,
-                              prox_mu=0.1 if task == "fedprox" else 0.0), results[k])
+            assert same(alone(model, w0, x, y, k, epochs=2, batch_size=10, lr=0.1, prox_mu=mu), results[k])
 
 
 def test_a_members_update_does_not_depend_on_its_cohort_or_its_chunk():
@@ -325,7 +338,7 @@ def client_with_trainer() -> tuple:
     """Client 0 on 20 images, its node's trainer, stand-ins for both their processes,
     and a global model to start from."""
     images, labels = _data(20)
-    cache = _ModelCache()
+    cache = ModelCache()
     trainer = CohortTrainer(cache)
     trainer.pid = Pid("worker-0", 2)
     client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST),
@@ -343,7 +356,7 @@ def test_an_asynchronous_job_whose_task_ended_while_it_waited_is_dropped():
 
     def start(model: int) -> TaskStart:
         return TaskStart(rule="fedbuff", weights=weights, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
-                         seed=RUN_SEED, uploads_delta=True, model=model)
+                         seed=RUN_SEED, model=model)
 
     for body in (start(1), TaskDone(0, "timeout"), start(2)):
         client.handle(device, Message(SERVER, body))
@@ -364,7 +377,7 @@ def test_a_device_that_went_offline_and_came_back_while_its_job_waited_trains_ag
     the client starts its next training then, not never."""
     client, trainer, device, trainer_proc, weights = client_with_trainer()
     client.handle(device, Message(SERVER, TaskStart(rule="fedbuff", weights=weights, age=0, epochs=1, batch_size=10,
-                                                    lr=0.1, lr_decay=0.0, seed=RUN_SEED, uploads_delta=True,
+                                                    lr=0.1, lr_decay=0.0, seed=RUN_SEED,
                                                     model=1)))
     assert len(device.handed) == 1
     device.offline, device.offline_count = True, 1

@@ -12,7 +12,7 @@ from fedemu.common.algorithms.fedbuff import FedBuff
 from fedemu.server.engine import Settings
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.common.ml import compression, models
-from fedemu.worker.client import Client, _ModelCache
+from fedemu.worker.client import Client, ModelCache
 from fedemu.common.ml.data import Data
 from fedemu.common.ml.datasets import get as dataset_named
 from fedemu.common.ml.models import ModelSpec
@@ -514,13 +514,11 @@ def _async_pair(tmp_path, rule, spec):
                          rule, ModelSpec("2nn", MNIST), None, RunLog(tmp_path), lr=0.1)
     images, labels = _data(20)
     dataset = Data("fake", MNIST, images, labels, images, labels)
-    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), _ModelCache())
+    client = Client(0, np.arange(20), dataset, ModelSpec("2nn", MNIST), ModelCache())
     server_out, client_out = _Outbox(), _Outbox()
-    b_l, b_u = rule.age_filter or (0, 0)
     engine._send_model(server_out, 0, CLIENT, AsyncStart(
         rule=rule.name, weights=engine.weights, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
-        seed=RUN_SEED, b_l=b_l, b_u=b_u, asks_age=rule.age_filter is not None, uploads_delta=rule.uploads_delta,
-        compression=spec))
+        seed=RUN_SEED, extra=rule.client_payload(), compression=spec))
     client.handle(client_out, Message(SERVER, server_out.sent[-1]))
     return engine, client, client_out
 

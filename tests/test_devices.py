@@ -15,7 +15,8 @@ from fedemu.launch.config import ConfigError, load
 from fedemu.common.ml import models
 from fedemu.common.ml.datasets import get as dataset_named
 from fedemu.common.ml.devices import DeviceUnavailable, torch_device, use_device
-from fedemu.common.ml.training import client_update, device_of, evaluate, local_gradient, svrg_pass
+from fedemu.common.algorithms.fsvrg import svrg_pass
+from fedemu.common.ml.training import client_update, device_of, evaluate, local_gradient
 
 MNIST = dataset_named("mnist")
 HAS_CUDA = torch.cuda.is_available()

@@ -463,7 +463,7 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     """A client whose device goes offline mid-training, or whose round closes without it
     (a Cancel), stops at its next minibatch and sends nothing; then it is selected and
     answers again."""
-    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.client import Client, ModelCache
     from fedemu.common.ml.data import Data
     from fedemu.common.ml.datasets import get as dataset_named
     from fedemu.common.ml.models import ModelSpec
@@ -472,7 +472,7 @@ def test_a_client_stops_unwanted_training_and_answers_the_next_request(procs, ho
     from fedemu.common.ml.models import build, get_flat
     from fedemu.common.messages import TRAIN, Cancel, TrainReply, TrainRequest
 
-    class CountingCache(_ModelCache):
+    class CountingCache(ModelCache):
         """Counts the model's forward passes: one per minibatch, so we know when the
         client is well into a training (client.iterations moves only at its end)."""
 

@@ -129,3 +129,82 @@ def test_no_module_imports_itself_through_others(graph):
 def test_the_runtime_needs_no_torch(graph):
     """node/ (broker, network model, runtime) runs where torch is absent or slow to import."""
     assert {m: sorted(e) for m, e in graph[1].items() if m.startswith("node") and "torch" in e} == {}
+
+
+# --- imports that say the structure ---------------------------------------------------------
+
+# Layers whose every import inside a function says why it is there (the rest are checked
+# as they are brought in line).
+REASONED = ("common", "server", "worker")
+
+
+def _function_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Imports inside a function body, but those under ``if TYPE_CHECKING:``."""
+    runtime = {id(n) for n in _runtime_imports(tree)}
+    return [n for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) in runtime]
+
+
+def unreasoned_imports(source: str, name: str) -> list[str]:
+    """Function-level imports with no comment on their line or a comment line just above
+    (the first of a run of imports carries it for the run)."""
+    lines = source.splitlines()
+    found = []
+    for node in sorted(_function_imports(ast.parse(source, name)), key=lambda n: n.lineno):
+        i = node.lineno - 1
+        while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")):
+            i -= 1  # up to the first of the run
+        if "#" not in lines[node.lineno - 1] and not (i > 0 and lines[i - 1].strip().startswith("#")):
+            found.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return sorted(set(found))
+
+
+def private_imports(source: str, name: str) -> list[str]:
+    """``from fedemu... import _private`` and ``module._private`` of an imported fedemu module."""
+    tree = ast.parse(source, name)
+    found, modules = [], set()
+    for node in _runtime_imports(tree) + [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]:
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fedemu")):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{name}:{node.lineno}: imports {alias.name}")
+                modules.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("fedemu"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{name}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_the_import_checks_see_what_they_look_for():
+    source = ("def f():\n    import torch\n\ndef g():\n    # torch: start-up time\n    import torch\n"
+              "    import numpy\n\ndef h():\n    import json  # stdlib\n")
+    assert unreasoned_imports(source, "m.py") == ["m.py:2: import torch"]
+    source = "from fedemu.x import _hidden, shown\nfrom . import models\nmodels._BUILDERS\nmodels.build\n"
+    assert private_imports(source, "m.py") == ["m.py:1: imports _hidden", "m.py:3: uses models._BUILDERS"]
+
+
+@pytest.mark.parametrize("layer", REASONED)
+def test_every_import_inside_a_function_says_why(layer):
+    found = [problem for path in sorted((ROOT / layer).rglob("*.py"))
+             for problem in unreasoned_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == []
+
+
+@pytest.mark.parametrize("layer", REASONED)
+def test_no_private_name_is_used_across_modules(layer):
+    found = [problem for path in sorted((ROOT / layer).rglob("*.py"))
+             for problem in private_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == []
+
+
+def test_an_algorithms_values_ride_in_its_payload_not_in_the_generic_messages():
+    """FedProx's mu, FSVRG's full gradient, CO-OP's age filter and its over-active
+    choice live in their algorithm's module; the messages and the client know none."""
+    for path in ("common/messages.py", "worker/client.py", "worker/cohorts.py", "server/engine.py",
+                 "server/async_engine.py", "common/ml/cohort.py", "common/ml/training.py"):
+        source = (ROOT / path).read_text()
+        for name in ("prox_mu", "full_gradient", "b_l", "b_u", "over_active", "uploads_delta="):
+            assert name not in source, f"{path} names {name}"

@@ -248,7 +248,7 @@ def test_scaffolds_client_step_hand_computed(plugin_on_path):
 def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
     """The client hands a task the same state every round (SCAFFOLD's c_i) and returns
     the task's extra beside the update; the device model charges the task's passes."""
-    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.client import Client, ModelCache
     from fedemu.common.ml.data import Data
     from fedemu.common.ml.datasets import get
     from fedemu.common.ml.devices import ComputeModel
@@ -258,7 +258,7 @@ def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (40, 28, 28), dtype=np.uint8), rng.integers(0, 10, 40)
     spec = ModelSpec("2nn", get("mnist"))
-    client = Client(0, np.arange(40), Data("fake", get("mnist"), images, labels, images, labels), spec, _ModelCache(),
+    client = Client(0, np.arange(40), Data("fake", get("mnist"), images, labels, images, labels), spec, ModelCache(),
                     compute=ComputeModel(clock="virtual", charge="model", device_flops=1e9))
     weights = _flat_2nn(spec)
 
@@ -274,7 +274,7 @@ def test_a_client_keeps_its_task_state_between_rounds(plugin_on_path):
     second = train(2)
     np.testing.assert_allclose(second.extra["delta_c"], client.task_state["c_i"] - kept, atol=1e-7)
     assert client.iterations == 2 * 2 * 4  # two rounds of E = 2 epochs of 4 batches
-    plain = Client(1, np.arange(40), client.data, spec, _ModelCache(), compute=client.compute)
+    plain = Client(1, np.arange(40), client.data, spec, ModelCache(), compute=client.compute)
     fedavg = plain._run_task(TrainRequest(round=1, task=TRAIN, weights=weights, epochs=2, batch_size=10, lr=0.1,
                                           seed=1))[0]
     assert first.compute_s == fedavg.compute_s > 0  # E x n_k training passes, as FedAvg's
@@ -323,7 +323,7 @@ def test_a_plugin_task_runs_end_to_end_in_real_processes(tmp_path):
     make it another run. A task no host can import fails the run, naming it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "missing_task.py").write_text(
-        "from fedemu.server.strategies import Strategy\n"
+        "from fedemu.common.algorithms import Strategy\n"
         "class Missing(Strategy):\n"
         "    name = 'missing'\n"
         "    def run_round(self, run_phase, weights, round_):\n"
@@ -381,3 +381,48 @@ def test_a_task_output_that_cannot_travel_is_named():
     ]:
         with pytest.raises(tasks.BadTaskOutput, match=rf"local task '.*Sloppy' {message}"):
             tasks.checked(Sloppy, output)
+
+
+# --- an asynchronous plug-in rule with its own client policy: fresh FedAsync ----------------
+
+FRESH = "fedemu_example_plugin.fresh_async:FreshFedAsync"
+
+
+def test_the_fresh_clients_policy_uploads_only_a_model_young_enough(plugin_on_path):
+    """After each update it asks the age; then it uploads at t - tau <= max_staleness
+    and fetches the current model past it; the bound travels in the start's payload."""
+    cls = algorithms.get(FRESH)
+    rule = cls.from_config(configuration.load(None, [f"algorithm.name={FRESH}", "algorithm.max_staleness=3"])
+                           ["algorithm"])
+    client = cls.client(cls, rule.client_payload())
+    assert client.after_training() == algorithms.ASK_AGE
+    assert [client.on_age(server_age, 10) for server_age in (10, 13, 14, 40)] == [
+        algorithms.UPLOAD, algorithms.UPLOAD, algorithms.FETCH, algorithms.FETCH]
+    with pytest.raises(configuration.ConfigError, match="max_staleness"):
+        configuration.load(None, [f"algorithm.name={FRESH}", "algorithm.max_staleness=-1"])
+
+
+@pytest.mark.slow
+def test_an_async_plugin_with_its_own_client_policy_runs_end_to_end(tmp_path):
+    """Real processes: the worker nodes find the rule's client half by its path; with a
+    tight bound its clients ask the age after every update and fetch instead of
+    uploading a stale one, which plain FedAsync never does; a loose bound uploads every
+    update, as FedAsync does."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGIN), os.environ.get("PYTHONPATH", "")])}
+    events = {}
+    for label, sets in {"tight": [f"algorithm.name={FRESH}", "algorithm.max_staleness=0"],
+                        "loose": [f"algorithm.name={FRESH}", "algorithm.max_staleness=1000"],
+                        "fedasync": ["algorithm.name=fedasync"]}.items():
+        run_dir = tmp_path / label
+        argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
+                "--set", "data.partition=shards", "--set", "data.clients=10", "--set", "run.rounds=3",
+                "--set", "algorithm.eval_every_uploads=5", "--set", "run.target_accuracy=0",
+                *[arg for s in sets for arg in ("--set", s)]]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+        events[label] = [e for e in read_events(run_dir) if e["event"] == "round"]
+    tight, loose, plain = events["tight"], events["loose"], events["fedasync"]
+    assert sum(e["fetches"] for e in tight) > 0 and sum(e["age_requests"] for e in tight) > 0
+    assert sum(e["fetches"] for e in loose) == 0 and sum(e["age_requests"] for e in loose) > 0
+    assert all("age_requests" not in e for e in plain)  # FedAsync's own clients never ask

@@ -23,7 +23,7 @@ from fedemu.common.algorithms.coop import Coop
 from fedemu.common.algorithms.fedasync import FedAsync
 from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
 from fedemu.server.runlog import RunLog, read_events
-from fedemu.worker.client import Client, _ModelCache
+from fedemu.worker.client import Client, ModelCache
 from fedemu.common.ml.compression import CompressionSpec
 from fedemu.common.ml.data import Data
 from fedemu.common.ml.datasets import get as dataset_named
@@ -189,8 +189,8 @@ def test_the_client_takes_only_the_reply_to_its_pending_request(tmp_path):
     assert [type(b) for b in trained] == [AgeRequest] and trained[0].request == 3
     assert client._bases == 7  # the server's number, whatever the client received before
     assert deliver(ModelReply(model, 2, request=2, model=7)) == []  # the same reply again: no second training
-    again = AsyncStart(rule="coop", asks_age=True, weights=model, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
-                       seed=RUN_SEED, b_l=1, b_u=4, model=1)
+    again = AsyncStart(rule="coop", weights=model, age=0, epochs=1, batch_size=10, lr=0.1, lr_decay=0.0,
+                       seed=RUN_SEED, extra=Coop(b_l=1, b_u=4).client_payload(), model=1)
     assert deliver(again) == []  # a resent AsyncStart: this process has started already
     assert client.stale_replies == 5 and client._updates == 2 and client._bases == 7
 
@@ -235,12 +235,13 @@ class _Device:
 
 def _async_client(stragglers: StragglerSpec = StragglerSpec()) -> tuple[Client, np.ndarray, _Device]:
     images, labels = _data(20)
-    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), ModelCache(),
                     stragglers)
     weights = np.zeros(199_210, dtype=np.float32)  # the 2NN's size
     device = _Device()
-    client.handle(device, Message(SERVER, AsyncStart(rule="coop", asks_age=True, weights=weights, age=0, epochs=1, batch_size=10,
-                                                     lr=0.1, lr_decay=0.0, seed=RUN_SEED, b_l=1, b_u=4,
+    client.handle(device, Message(SERVER, AsyncStart(rule="coop", weights=weights, age=0, epochs=1, batch_size=10,
+                                                     lr=0.1, lr_decay=0.0, seed=RUN_SEED,
+                                                     extra=Coop(b_l=1, b_u=4).client_payload(),
                                                      model=1, retry_s=60.0)))
     return client, weights, device
 
@@ -390,7 +391,7 @@ def test_lost_messages_are_resent_merged_once_and_compressed_bases_stay_known(tm
     images, labels = _data(40)
     dataset = Data("fake", MNIST, images, labels, images, labels)
     eng.data = dataset
-    clients = {k: Client(k, np.arange(20 * k, 20 * k + 20), dataset, ModelSpec("2nn", MNIST), _ModelCache()) for k in (0, 1)}
+    clients = {k: Client(k, np.arange(20 * k, 20 * k + 20), dataset, ModelSpec("2nn", MNIST), ModelCache()) for k in (0, 1)}
     lose = {("AsyncStart", 1, 1), ("AgeRequest", 0, 2), ("AgeReply", 1, 1), ("Upload", 1, 2), ("ModelReply", 0, 1)}
     loop = LossyLoop(eng, clients, lose)
     status, reason = eng.main(loop)
@@ -420,13 +421,14 @@ def _served_client(procs, stragglers: StragglerSpec, retry_s: float):
     from .test_emulation import Pair, start_broker, wait_for
 
     images, labels = _data(20)
-    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), ModelCache(),
                     stragglers)
     pair = Pair(start_broker(procs, {}))
     pair.client_node.spawn_behaviour(client, name="client/0", link=0)
     wait_for(lambda: pair.server_node.whereis("client/0"), "the client never registered")
-    start = AsyncStart(rule="coop", asks_age=True, weights=np.zeros(199_210, np.float32), age=0, epochs=1, batch_size=10, lr=0.1,
-                       lr_decay=0.0, seed=RUN_SEED, b_l=1, b_u=4, model=1, retry_s=retry_s)
+    start = AsyncStart(rule="coop", weights=np.zeros(199_210, np.float32), age=0, epochs=1, batch_size=10, lr=0.1,
+                       lr_decay=0.0, seed=RUN_SEED, extra=Coop(b_l=1, b_u=4).client_payload(), model=1,
+                       retry_s=retry_s)
     arrivals: list = []
     outbox: collections.deque = collections.deque()
 

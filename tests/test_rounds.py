@@ -113,7 +113,7 @@ def test_a_phase_folds_each_update_as_it_arrives_and_keeps_none_unless_the_rule_
 
 
 def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
-    from fedemu.worker.client import Client, _ModelCache
+    from fedemu.worker.client import Client, ModelCache
     from fedemu.common.ml.data import Data
     from fedemu.common.ml.models import build, get_flat
     from fedemu.common.messages import Cancel
@@ -143,7 +143,7 @@ def test_a_slow_device_told_its_round_closed_does_not_send_its_held_reply():
 
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 255, (20, 28, 28), dtype=np.uint8), rng.integers(0, 10, 20)
-    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), _ModelCache(),
+    client = Client(0, np.arange(20), Data("fake", MNIST, images, labels, images, labels), ModelSpec("2nn", MNIST), ModelCache(),
                     StragglerSpec.from_config({"distribution": "fixed", "factor": 10}, 1, 0))
     proc, server = Proc(), Pid("server", 1)
     weights = get_flat(build("2nn", (1, 28, 28), 10))

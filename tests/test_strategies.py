@@ -6,7 +6,7 @@ import pytest
 
 from fedemu.common import algorithms
 from fedemu.common.algorithms.fedopt import FedAdam, FedYogi
-from fedemu.common.algorithms.fedprox import FedProx
+from fedemu.common.algorithms.fedprox import FedProx, Proximal
 from fedemu.common.algorithms.centralised import Centralised
 from fedemu.common.algorithms.fedavg import FedAvg
 from fedemu.common.algorithms.fedsgd import FedSGD
@@ -103,7 +103,7 @@ def test_fsvrg_sends_the_weighted_full_gradient_then_averages_the_models():
     new = FSVRG(lr=0.1, h=4.0).run_round(phases, w, 1)
     (task1, _, extra1), (task2, h, extra2) = phases.calls
     assert (task1, task2, h) == (GRADIENT, SVRG, 4.0)
-    np.testing.assert_allclose(extra2["full_gradient"], [0.25, 0.75])  # n_k / n weighted
+    np.testing.assert_allclose(extra2["extra"]["full_gradient"], [0.25, 0.75])  # n_k / n weighted
     np.testing.assert_allclose(new, [7.0, 1.0])
     assert FSVRG.selects_all and not FedAvg.selects_all
 
@@ -125,7 +125,7 @@ def test_fedprox_asks_for_the_proximal_term_and_averages_as_fedavg():
     phases = Phases([reply([3, 3, 3], 600), reply([0, 6, 9], 200)])
     new = FedProx(lr=0.1, lr_decay=1e-4, mu=0.5).run_round(phases, np.zeros(3, np.float32), 1)
     np.testing.assert_allclose(new, [2.25, 3.75, 4.5], atol=1e-6)
-    assert phases.calls == [(TRAIN, 0.1, {"lr_decay": 1e-4, "prox_mu": 0.5})]
+    assert phases.calls == [(Proximal, 0.1, {"lr_decay": 1e-4, "extra": {"mu": 0.5}})]
 
 
 def _fedopt_rounds(cls, w0, averages):

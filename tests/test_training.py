@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from fedemu.common.algorithms.fedprox import proximal_term
+from fedemu.common.algorithms.fsvrg import svrg_pass
 from fedemu.common.ml import models
 from fedemu.common.ml.datasets import get as dataset_named
 from fedemu.common.ml.training import (
@@ -221,7 +223,7 @@ def test_svrg_pass_matches_a_hand_written_loop():
     full = full * 0.5  # any vector: the pass must add exactly this term
     # h_k = 0.5 / 12: big enough to move, small enough that float32 rounding in a
     # different operation order cannot flip a ReLU and amplify.
-    result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+    result = svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
                                 stepsize=0.5, generator=torch.Generator().manual_seed(11))
 
     reference = models.build("2nn", (1, 28, 28), 10, seed=3)
@@ -245,7 +247,7 @@ def test_svrg_pass_at_the_anchor_starts_along_the_full_gradient():
     model, anchor = models.build("2nn", (1, 28, 28), 10, seed=1), models.build("2nn", (1, 28, 28), 10, seed=1)
     w_t = models.get_flat(model)
     full = np.random.default_rng(2).standard_normal(w_t.size).astype(np.float32)
-    result = training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+    result = svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
                                 stepsize=0.1, generator=torch.Generator().manual_seed(0))
     np.testing.assert_allclose(result.weights, w_t - 0.1 * full, atol=1e-6)
 
@@ -276,7 +278,7 @@ def test_svrg_fast_mlp_path_equals_the_autograd_path():
         model, anchor = models.build("2nn", (1, 28, 28), 10, seed=6), models.build("2nn", (1, 28, 28), 10, seed=6)
         if generic:  # hide the MLP structure so the autograd path runs
             model, anchor = torch.nn.Sequential(model), torch.nn.Sequential(anchor)
-        results.append(training.svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
+        results.append(svrg_pass(model, images, labels, anchor=anchor, full_gradient=full,
                                           stepsize=4.0, generator=torch.Generator().manual_seed(3)))
     np.testing.assert_allclose(results[0].weights, results[1].weights, rtol=0, atol=1e-5)
     assert results[0].train_loss == pytest.approx(results[1].train_loss, rel=1e-5)
@@ -293,8 +295,9 @@ def test_fedprox_term_pulls_each_step_toward_the_start_by_lr_mu():
     def train(images, labels, batch_size, prox_mu, seed=9):
         model = models.build("2nn", (1, 28, 28), 10)
         models.set_flat(model, start)
+        hook = proximal_term(models.parameters_of(model), prox_mu) if prox_mu else None
         return client_update(model, images, labels, epochs=1, batch_size=batch_size, lr=lr,
-                             generator=torch.Generator().manual_seed(seed), prox_mu=prox_mu).weights
+                             generator=torch.Generator().manual_seed(seed), after_backward=hook).weights
 
     assert np.array_equal(train(images, labels, 20, mu), train(images, labels, 20, 0.0))  # one step, at w0
     first_half = torch.randperm(20, generator=torch.Generator().manual_seed(9))[:10].numpy()

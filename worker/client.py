@@ -13,24 +13,25 @@ import time
 import numpy as np
 import torch
 
-from fedemu.node import streams
-from fedemu.node import Behaviour, BehaviourProcess, Message, Node, Pid
-
-from fedemu.common.ml import cohort, models, training
-from fedemu.common.ml.data import Data
-from fedemu.common.ml.models import ModelSpec
+from fedemu.common import algorithms
 from fedemu.common.algorithms import tasks
+from fedemu.common.algorithms.asynchronous import ASK_AGE, FETCH, RETRAIN, TRAIN_ON, UPLOAD, AsyncClient
+from fedemu.common.algorithms.tasks import codec_for
 from fedemu.common.messages import (
     AgeReply, AgeRequest, AsyncStart, AsyncStop, Cancel, CheckIn, FetchRequest, ModelReply, RetryDue, TaskDone,
     TaskStart, TrainAgain, TrainReply, TrainRequest, Upload, WorkerReady, client_name, retry_wait, update_problem,
 )
+from fedemu.common.ml import cohort, models, training
 from fedemu.common.ml.compression import UpdateCodec, update_seed
+from fedemu.common.ml.data import Data
 from fedemu.common.ml.devices import ComputeModel
+from fedemu.common.ml.models import ModelSpec
+from fedemu.common.ml.structured import compressed_client_update
+from fedemu.common.stragglers import StragglerGroups, StragglerSpec
+from fedemu.node import Behaviour, BehaviourProcess, Down, Message, Node, Pid, streams
+
 from .cohorts import CohortTrainer, Failed, Job, TrainAlone
 from .node_sums import KeptUpdates, NodeSums
-from fedemu.common.stragglers import StragglerGroups, StragglerSpec
-from fedemu.common.ml.structured import compressed_client_update
-from fedemu.common.algorithms.tasks import codec_for
 
 log = logging.getLogger("fedemu.worker")
 
@@ -52,7 +53,7 @@ def client_generator(seed: int, round_: int, client: int) -> torch.Generator:
     return torch.Generator().manual_seed(streams.seed64(seed, "shuffle", client, round_))
 
 
-class _ModelCache(threading.local):
+class ModelCache(threading.local):
     """One model instance per pool thread, on the node's device: weights are loaded into it
     per request."""
 
@@ -71,9 +72,9 @@ class Client(Behaviour):
     asynchronous ones an AsyncStart, after which it loops on its own (it then holds its
     local model w_k and age a_k between messages)."""
 
-    def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: _ModelCache,
+    def __init__(self, client_id: int, indices: np.ndarray, data: Data, model: ModelSpec, cache: ModelCache,
                  stragglers: StragglerSpec | StragglerGroups = StragglerSpec(), compute: ComputeModel = ComputeModel(),
-                 anchors: _ModelCache | None = None, kept: KeptUpdates | None = None,
+                 anchors: ModelCache | None = None, kept: KeptUpdates | None = None,
                  trainer: CohortTrainer | None = None):
         self.client_id = client_id
         self.kept = kept  # the node's kept updates (aggregation on the nodes)
@@ -82,12 +83,13 @@ class Client(Behaviour):
         self.data = data
         self.model = model
         self._cache = cache
-        self._anchors = anchors or _ModelCache(cache.device)  # FSVRG holds w_t fixed beside the model it updates
+        self._anchors = anchors or ModelCache(cache.device)  # FSVRG holds w_t fixed beside the model it updates
         self.stragglers = stragglers
         self.compute = compute  # what local work costs in emulated time (devices.py)
         self.iterations = 0  # local SGD steps over the client's life (Keras-style decay)
         self.task_state: dict = {}  # a local task's state between rounds (common.algorithms.tasks.TaskInput.state)
         self._async: AsyncStart | None = None
+        self._policy: AsyncClient | None = None  # the rule's client half, from the AsyncStart
         self._server: Pid | None = None
         self._task_server: Pid | None = None  # who starts this client's tasks (algorithm.concurrency)
         self._weights: np.ndarray | None = None  # w_k, asynchronous rules only
@@ -140,6 +142,7 @@ class Client(Behaviour):
                 log.debug("client %d has started already; ignores a repeated AsyncStart", self.client_id)
                 return
             self._async, self._server = body, msg.sender
+            self._policy = self._policy_for(body)
             if isinstance(body, TaskStart):
                 self._task_server = msg.sender
             self._new_base(body.weights, body.age, body.model)
@@ -153,7 +156,7 @@ class Client(Behaviour):
             self._retry(proc, body.request)
         elif isinstance(body, AgeReply) and self._async is not None:
             if self._answers(body.request, AgeRequest, body):
-                self._coop_decide(proc, body.age)
+                self._act(proc, self._policy.on_age(body.age, self._age))
         elif isinstance(body, ModelReply) and self._async is not None:
             if self._answers(body.request, (FetchRequest, Upload), body):
                 self._new_base(body.weights, body.age, body.model)
@@ -370,6 +373,11 @@ class Client(Behaviour):
             self._retry_timer = None
         return True
 
+    @property
+    def async_compression(self) -> dict | None:
+        """The [compression] spec of the asynchronous rule this client runs (None: none)."""
+        return self._async.compression
+
     def _codec(self, model: torch.nn.Module) -> UpdateCodec | None:
         spec = self._async.compression
         return codec_for(self.model, spec, model) if spec else None
@@ -435,16 +443,19 @@ class Client(Behaviour):
         self._after_local_update(job.proc, job.started)
 
     def _after_local_update(self, proc: BehaviourProcess, started: float) -> None:
-        """What follows a local update (begun at ``started``, emulated): CO-OP asks the
-        server's age, the others upload."""
-        start = self._async
+        """What follows a local update (begun at ``started``, emulated): what the rule's
+        client policy decides, an upload or a question for the server's age (CO-OP)."""
         slowdown = self.stragglers.slowdown(self.client_id, self._updates)
         measured_s, cpu_s = self._measured
-        if start.asks_age:  # CO-OP, Algorithm 3, line 6: ask the server's age first
+        decision = self._policy.after_training()
+        if decision == ASK_AGE:  # e.g. CO-OP, Algorithm 3, line 6: ask the server's age first
             _, hold = self._times(slowdown, measured_s, cpu_s)
             self._span = (started, proc.now() + hold)  # its upload, after the age check, carries it
             self._request(proc, AgeRequest(self.client_id, self._age), hold)
             return
+        if decision != UPLOAD:
+            raise ValueError(f"{type(self._policy).__qualname__}.after_training decided {decision!r}; "
+                             f"it may decide {UPLOAD!r} or {ASK_AGE!r}")
         model = self._cache.get(self.model)
         started_wall, started_cpu = time.perf_counter(), time.thread_time()  # wall
         upload = self._upload(model, 0.0, slowdown)
@@ -491,7 +502,7 @@ class Client(Behaviour):
         """FedBuff sends the delta from its base; CO-OP and FedAsync their weights. With
         compression every rule sends the delta from the base, encoded: sketching weights
         themselves would be meaningless, and the server holds the base to add it back."""
-        is_delta = self._async.uploads_delta
+        is_delta = self._policy.uploads_delta
         codec = self._codec(model)
         update, encoded = None, None
         if codec is not None:
@@ -504,21 +515,29 @@ class Client(Behaviour):
                       num_samples=len(self.indices), train_loss=self._loss, compute_s=compute_s,
                       slowdown=slowdown, base=self._bases, encoded=encoded)
 
-    def _coop_decide(self, proc: BehaviourProcess, age: int) -> None:
-        start = self._async
-        if age - self._age > start.b_u:  # outdated: reconcile with the global model
+    def _policy_for(self, start: AsyncStart) -> AsyncClient:
+        """The client half of the start's rule (a plug-in's is imported here, on the client's host)."""
+        rule = algorithms.get(start.rule)
+        return rule.client(rule, start.extra or {})
+
+    def _act(self, proc: BehaviourProcess, decision: str) -> None:
+        """Carry out the policy's decision once the server said its age."""
+        if decision == FETCH:
             self._request(proc, FetchRequest(self.client_id))
-        elif age - self._age < start.b_l:  # over-active: train again (protocol.OVER_ACTIVE)
-            if start.over_active == "retrain":
-                # Nilsson et al.'s rule: the model just trained is thrown away; the next
+        elif decision in (RETRAIN, TRAIN_ON):
+            if decision == RETRAIN:
+                # The model just trained is thrown away (Nilsson et al.'s CO-OP); the next
                 # training starts from the last model received, so its encoding is exact.
                 self._weights = self._base.copy()
                 self._trainings = 0
             proc.send(proc.pid, TrainAgain())
-        else:
+        elif decision == UPLOAD:
             upload = self._upload(self._cache.get(self.model), compute_s=0.0)
             upload.started_s, upload.ended_s = self._span  # the training that passed the age check
             self._request(proc, upload)
+        else:
+            raise ValueError(f"{type(self._policy).__qualname__}.on_age decided {decision!r}; it may decide "
+                             f"{', '.join(map(repr, (UPLOAD, FETCH, RETRAIN, TRAIN_ON)))}")
 
 
 def warm_up(data: Data, indices: np.ndarray, model_spec: ModelSpec,
@@ -557,7 +576,7 @@ def host_clients(
     if len(clients):
         log.info("warm-up took %.2fs", warm_up(data, shards[clients[0]], model, device))
         compute.prepare(model)
-    cache, anchors = _ModelCache(device), _ModelCache(device)
+    cache, anchors = ModelCache(device), ModelCache(device)
     kept = KeptUpdates()
     sums = node.spawn_behaviour(NodeSums(kept))
     trainer = None
@@ -592,7 +611,6 @@ def _supervise(proc, clients: dict[Pid, int], start_client, server_pid: Pid, lim
     """One-for-one supervision (as in OTP) of this node's clients: a client that crashes
     is started afresh, under its name, and the server is told its new pid; one that
     exits normally, or has crashed ``limit`` times, stays down."""
-    from fedemu.node import Down
 
     watched = {proc.monitor(pid): k for pid, k in clients.items()}
     crashes: dict[int, int] = {}

@@ -33,7 +33,7 @@ from fedemu.common.ml import cohort
 from fedemu.common.messages import TrainRequest
 
 if TYPE_CHECKING:
-    from .client import Client, _ModelCache
+    from .client import Client, ModelCache
 
 log = logging.getLogger("fedemu.worker")
 
@@ -80,7 +80,7 @@ class Failed:
 class CohortTrainer(Behaviour):
     """The node's trainer; ``pid`` is set once it is spawned."""
 
-    def __init__(self, cache: _ModelCache) -> None:
+    def __init__(self, cache: ModelCache) -> None:
         self.cache = cache  # the pool thread's models: the trainer runs on that thread too
         self.pid: Pid | None = None
         self._jobs: list[Job] = []
@@ -107,7 +107,7 @@ class CohortTrainer(Behaviour):
     def takes_async(self, client: Client) -> bool:
         """Whether an asynchronous rule's local update (plain SGD from the client's own
         weights) can run in a cohort; if not, why is logged once."""
-        spec = client._async.compression
+        spec = client.async_compression
         why = ("a structured update trains each client in a restricted space of its own"
                if spec and spec.get("structured", "none") != "none"
                else cohort.problem(self.cache.get(client.model), client.data.dataset))

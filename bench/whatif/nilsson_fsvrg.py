@@ -103,5 +103,5 @@ class FSVRGTheirFullGradient(FSVRG):
     def run_round(self, run_phase, weights, round_):
         if run_phase(GRADIENT, 0.0) is None:  # kept: the same uploads and emulated time as FSVRG's
             return None
-        replies = run_phase(SVRG, self.h, full_gradient=self.full_gradient(weights))
+        replies = run_phase(SVRG, self.h, extra={"full_gradient": self.full_gradient(weights)})
         return None if replies is None else replies.mean()

@@ -4,6 +4,8 @@ options of the rules that run a fixed number of clients at once. Each built-in r
 a module of its own beside this one (``coop.py``, ``fedasync.py``, ``fedbuff.py``)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from fedemu.common.messages import Upload
@@ -31,22 +33,64 @@ CONCURRENCY_OPTIONS = {
 }
 
 
+# What a client does once a local update is done, or once the server told it its age:
+UPLOAD = "upload"  # send the update (FedAsync, FedBuff; CO-OP within its age filter)
+ASK_AGE = "ask_age"  # ask the server's age a first; the answer goes to AsyncClient.on_age
+FETCH = "fetch"  # drop the update and ask for the current global model (CO-OP: outdated)
+RETRAIN = "retrain"  # drop the update and train again from the last model received (CO-OP: over-active)
+TRAIN_ON = "train_on"  # train again from the model just trained, uploading nothing yet
+DECISIONS = (UPLOAD, ASK_AGE, FETCH, RETRAIN, TRAIN_ON)
+
+
+class AsyncClient:
+    """An asynchronous rule's client half: what a client decides between its local
+    updates. The framework owns the loop (train, then act on the decision, resend until
+    answered); the policy owns the decisions. Made on the client from its AsyncStart,
+    with ``payload`` the rule's ``client_payload()``. This default is FedAsync's and
+    FedBuff's: upload every update."""
+
+    asks_age: ClassVar[bool] = False  # ask the server's age after each update (the books count the requests)
+
+    def __init__(self, rule: type[AsyncRule], payload: dict) -> None:
+        self.payload = payload
+        self.uploads_delta = rule.uploads_delta
+
+    def after_training(self) -> str:
+        """The decision once a local update is done: UPLOAD or ASK_AGE."""
+        return ASK_AGE if self.asks_age else UPLOAD
+
+    def on_age(self, server_age: int, client_age: int) -> str:
+        """The decision once the server said its age a (the client's is a_k): UPLOAD,
+        FETCH, RETRAIN or TRAIN_ON."""
+        return UPLOAD
+
+
 class AsyncRule(Algorithm):
-    """Every client loops on its own (train E epochs, then upload); ``merge`` folds one
-    upload into the global model. A rule may give its clients an age filter, as CO-OP
-    does, or have them upload deltas, as FedBuff does."""
+    """Every client loops on its own (train E epochs, then what its policy ``client``
+    decides: upload, or as CO-OP's does, ask the server's age first); ``merge`` folds one
+    upload into the global model. A rule may have its clients upload deltas, as FedBuff
+    does."""
 
     synchronous = False
     client_age_start = 0
     uploads_delta = False  # clients upload w_k - (the model they trained from), not w_k
+    client: ClassVar[type[AsyncClient]] = AsyncClient  # the client half
 
-    @property
-    def age_filter(self) -> tuple[int, int] | None:
-        """(b_l, b_u): a client uploads only if b_l <= a - a_k <= b_u (CO-OP); None: always."""
+    def client_payload(self) -> dict | None:
+        """What the clients' policy needs of this rule's options, sent in each start."""
         return None
 
     def server_age_start(self) -> int:
         return 0
+
+    def deadlock(self, age: int, ages: dict[int, int], live: set[int]) -> str | None:
+        """Why no upload can ever be merged again, given the global age a and the ages a_k
+        of the live clients, or None (the asynchronous engine asks after each message)."""
+        return None
+
+    def recovered_age(self, age: int, ages: dict[int, int], live: set[int]) -> int:
+        """The global age that ends a deadlock (``on_deadlock = "recover"``)."""
+        raise NotImplementedError(f"{self.name} has no recovery from a deadlock")
 
     def merge(self, weights: np.ndarray, age: int, upload: Upload) -> tuple[np.ndarray, int, bool]:
         """(new weights, new age, whether the global model changed)."""

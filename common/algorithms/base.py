@@ -107,6 +107,14 @@ def get(name: str) -> type[Algorithm]:
         raise UnknownAlgorithm(str(exc)) from None
 
 
+def reference(cls: type[Algorithm]) -> str:
+    """What names ``cls`` on another host (``get`` finds it there): a built-in's name, a
+    plug-in's ``module:Class``."""
+    if _registry.classes.get(cls.name) is cls and cls.__module__ in BUILT_IN_MODULES:
+        return cls.name
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def all_options(extra: type[Algorithm] | None = None) -> dict[str, Key]:
     """The algorithm.* keys of every built-in algorithm (and ``extra``'s): a config may
     set any of them, so a sweep over algorithm.name can carry each one's options."""

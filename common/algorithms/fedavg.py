@@ -3,6 +3,8 @@ the clients' models and the clients' ClientUpdate (``Train``: E epochs of B-mini
 FedProx, FedAdam, FedYogi and the centralised baseline reuse the client's half."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from fedemu.common.messages import TRAIN
@@ -13,7 +15,7 @@ from fedemu.common.ml.structured import compressed_client_update
 from . import tasks
 from .base import register
 from .rounds import Strategy, average
-from .tasks import LocalTask, TaskOutput, codec_for
+from .tasks import LocalTask, TaskInput, TaskOutput, codec_for
 
 
 @register
@@ -32,25 +34,42 @@ class FedAvg(Strategy):
 
 @tasks.register
 class Train(LocalTask):
-    """FedAvg's ClientUpdate (McMahan et al., Algorithm 1): E epochs of B-minibatch SGD,
-    with FedProx's proximal term when the request sets prox_mu; the update compressed
-    when it names a [compression] spec."""
+    """FedAvg's ClientUpdate (McMahan et al., Algorithm 1): E epochs of B-minibatch SGD;
+    the update compressed when the request names a [compression] spec. An algorithm
+    that trains so with a correction of its own (FedProx's proximal term) subclasses it
+    and gives the correction twice: per client (``after_backward``) and batched for a
+    cohort (``gradient_term``, fed by each member's ``member_extra``)."""
 
     name = TRAIN
+    encodes_update = True
+
+    def after_backward(self, task: TaskInput) -> Callable[[], None] | None:
+        """An edit of each minibatch's gradients before its step, made for this client
+        and this request; None: plain SGD."""
+        return None
+
+    def gradient_term(self, tasks: list[TaskInput]) -> cohort.GradientTerm | None:
+        """``after_backward``'s batched twin for a cohort of these tasks (None: none)."""
+        return None
+
+    def member_extra(self, task: TaskInput) -> dict:
+        """What ``gradient_term`` reads of this client (``cohort.Member.extra``)."""
+        return {}
 
     def run(self, task):
         r = task.request
+        hook = self.after_backward(task)
         if r.compression:
             result = compressed_client_update(
                 task.model, task.x, task.y, codec=codec_for(task.model_spec, r.compression, task.model),
                 seed=update_seed(r.seed, r.round, task.client), epochs=r.epochs, batch_size=r.batch_size,
                 lr=r.lr, generator=task.generator, lr_decay=r.lr_decay, start_iteration=task.iterations,
-                prox_mu=r.prox_mu, dataset=task.dataset)
+                dataset=task.dataset, after_backward=hook)
             return TaskOutput(None, result.train_loss, result.steps, encoded=result.encoded)
         result = training.client_update(
             task.model, task.x, task.y, epochs=r.epochs, batch_size=r.batch_size, lr=r.lr,
             generator=task.generator, lr_decay=r.lr_decay, start_iteration=task.iterations,
-            prox_mu=r.prox_mu, dataset=task.dataset)
+            dataset=task.dataset, after_backward=hook)
         return TaskOutput(result.weights, result.train_loss, result.steps)
 
     @classmethod
@@ -63,10 +82,11 @@ class Train(LocalTask):
         members = [cohort.Member(x=t.x, y=t.y, start=t.request.weights, generator=t.generator, stop=stop,
                                  epochs=t.request.epochs, batch_size=t.request.batch_size, lr=t.request.lr,
                                  lr_decay=t.request.lr_decay, start_iteration=t.iterations,
-                                 prox_mu=t.request.prox_mu)
+                                 extra=self.member_extra(t))
                    for t, stop in zip(tasks, stops)]
         outputs = []
-        for t, result in zip(tasks, cohort.train(tasks[0].model, members, tasks[0].dataset)):
+        trained = cohort.train(tasks[0].model, members, tasks[0].dataset, term=self.gradient_term(tasks))
+        for t, result in zip(tasks, trained):
             r = t.request
             if result is None:
                 outputs.append(None)

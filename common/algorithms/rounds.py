@@ -104,11 +104,12 @@ class Replies(list):
         return self._mean.mean() if isinstance(self._mean, ExactSum) else self._mean.result()
 
 
-# run_phase(task, lr, lr_decay=0.0, full_gradient=None, prox_mu=0.0, extra=None) sends one
-# request to every selected client and returns the replies that arrived, or None when
-# fewer than the quorum did (the round is then skipped and the model kept). ``task`` is a
-# built-in task's name or a tasks.LocalTask subclass (a plug-in's own local work,
-# given ``extra``; each reply's ``extra`` is what it sent back).
+# run_phase(task, lr, lr_decay=0.0, extra=None) sends one request to every selected
+# client and returns the replies that arrived, or None when fewer than the quorum did
+# (the round is then skipped and the model kept). ``task`` is a built-in task's name or a
+# tasks.LocalTask subclass (the algorithm's own local work); ``extra`` is the algorithm's
+# payload for it (FedProx's mu, FSVRG's full gradient), and each reply's ``extra`` is
+# what the task sent back.
 RunPhase = Callable[..., "list[TrainReply] | None"]
 
 

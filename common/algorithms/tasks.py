@@ -3,8 +3,10 @@
 A strategy's ``run_phase(task, lr, ...)`` sends every selected client a TrainRequest
 naming a task; the client runs that task on its own data and replies with the update.
 fedemu's tasks live with the algorithms that ask for them (``fedavg.Train``,
-``fedsgd.Gradient``, ``fsvrg.Svrg``), registered under the names ``messages.TRAIN``,
-``GRADIENT`` and ``SVRG``. A plug-in algorithm that needs other local work (control variates, a
+``fedsgd.Gradient``, ``fsvrg.Svrg``, ``fedprox.Proximal``), registered under the names
+``messages.TRAIN``, ``GRADIENT``, ``SVRG`` and ``"fedprox"``. An algorithm's own inputs
+ride in the request's ``extra`` (FedProx's mu, FSVRG's full gradient), so the message
+types never change for one algorithm. A plug-in algorithm that needs other local work (control variates, a
 different objective) writes a :class:`LocalTask` subclass and passes the class itself to
 ``run_phase``: it travels as ``package.module:Class`` and the worker imports it there,
 so the package must be importable on every worker host, as a plug-in model's must.
@@ -31,8 +33,7 @@ from fedemu.common.ml.models import ModelSpec
 
 ENTRY_POINT_GROUP = "fedemu.tasks"
 # Imported on first lookup: each files the tasks of its algorithm.
-BUILT_IN_MODULES = ("fedemu.common.algorithms.fedavg", "fedemu.common.algorithms.fedsgd",
-                    "fedemu.common.algorithms.fsvrg")
+BUILT_IN_MODULES = tuple(f"fedemu.common.algorithms.{module}" for module in ("fedavg", "fedsgd", "fsvrg", "fedprox"))
 
 
 @dataclass
@@ -70,6 +71,9 @@ class LocalTask:
     passes: ClassVar[float] = 1.0
     per_epoch: ClassVar[bool] = True
     needs_anchor: ClassVar[bool] = False  # TaskInput.anchor: a second model (SVRG holds w_t in it)
+    # The update may travel encoded ([compression]): it is a model trained from w_t, whose
+    # delta a codec can sketch (FedAvg's Train and what subclasses it).
+    encodes_update: ClassVar[bool] = False
 
     def run(self, task: TaskInput) -> TaskOutput:
         raise NotImplementedError

@@ -5,13 +5,14 @@ gathers them) are the *members* of a cohort; this module computes their work tog
 Each member keeps everything that makes its update its own: its examples, its batch
 order and augmentation (drawn from its own generator, in the order the per-client loop
 draws them), its learning rate and decay, its number of steps (a member with fewer
-examples finishes earlier and leaves the batch), its proximal term, and its stop
+examples finishes earlier and leaves the batch), its algorithm's gradient term (FedProx's
+proximal term, a ``GradientTerm``), and its stop
 condition (a device that goes offline stops its member at its next step; the others go
 on). Their weights sit side by side in one (members, parameters) tensor, and each step
 runs each layer once for all of them.
 
 **Exact.** Every member's weights, gradient and losses are bit for bit what
-``training.client_update`` (``local_gradient``, ``svrg_pass``) computes for that client
+``training.client_update`` (``local_gradient``) computes for that client
 alone, so a member's update depends on nothing else in its cohort, and ``run.cohort``
 does not change a run's weights. That holds because each batched kernel runs, slice by
 slice, the per-client kernel's own arithmetic: a Linear layer is ``baddbmm`` (one
@@ -31,8 +32,9 @@ checks the equality for each task.
 set's own loss (cross-entropy, one label per example, none ignored): McMahan et al.'s
 2NN and CNN. Anything else (batch norm's running statistics, a module of its own, an
 LSTM, a plug-in loss) is not vectorised: :func:`problem` says why, and its clients
-train one by one. SVRG's pass is vectorised for a plain ReLU MLP, the model its
-per-client fast path takes.
+train one by one. An algorithm with a pass of its own vectorises it with the
+primitives here (``plan_of``, ``chunks``, ``stacked_starts``, ``member_rows``,
+``consecutive_runs``, ``each``), as FSVRG's module does for SVRG's pass.
 
 **Memory.** Members are split into chunks whose stacked weights, gradients and
 activations fit ``memory_bytes``: 1,000 clients of the CNN do not need 1,000 copies at
@@ -45,6 +47,7 @@ host. Batch orders and augmentation are drawn on the CPU, as per client.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,7 +59,7 @@ from torch.nn import functional as F
 
 from .datasets import Dataset
 from .models import parameters_of, set_flat
-from .training import _FULL_PASS_CHUNK, TrainResult, _check_local_data, _plain_mlp, device_of
+from .training import FULL_PASS_CHUNK, TrainResult, check_local_data, client_update, device_of
 
 aten = torch.ops.aten
 
@@ -69,7 +72,7 @@ aten = torch.ops.aten
 CPU_MEMORY_BYTES = 30 * 2**20
 GPU_MEMORY_FRACTION = 0.25
 
-_LINEAR, _RELU, _FLATTEN, _CONV, _POOL = "linear", "relu", "flatten", "conv", "pool"
+LINEAR, _RELU, _FLATTEN, _CONV, _POOL = "linear", "relu", "flatten", "conv", "pool"
 _ALIGN = 16  # floats: 64 bytes
 
 
@@ -93,13 +96,27 @@ class Member:
     lr: float = 0.0
     lr_decay: float = 0.0
     start_iteration: int = 0
-    prox_mu: float = 0.0
-    # svrg
-    full_gradient: np.ndarray | None = None
-    stepsize: float = 0.0
+    # An algorithm's own values for this member, read by its GradientTerm or its own
+    # batched pass (FedProx's mu; FSVRG's full gradient and stepsize).
+    extra: dict = field(default_factory=dict)
 
     def stopped(self) -> bool:
         return self.stop is not None and self.stop()
+
+
+class GradientTerm:
+    """What an algorithm adds to its members' minibatch gradients before each step of
+    ``train``, batched (FedProx's proximal term): ``add`` is called for each parameter
+    and each block of members, with their gradient, their current weights and (when
+    ``reads_start``) their start weights w_t, as rows, and the members themselves. It
+    must do, row by row, what its per-client hook does (``training.client_update``'s
+    ``after_backward``), so that the cohort's bits stay each client's own."""
+
+    reads_start = True  # keep each member's w_t beside its weights (one more copy in memory)
+
+    def add(self, grad: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor | None,
+            members: list[Member]) -> None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,7 @@ class _Layer:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """A vectorisable model's layers and its flat layout."""
 
     layers: list[_Layer]
@@ -171,7 +188,7 @@ def _layer_problem(m: nn.Module) -> str | None:
     return None
 
 
-def _build_plan(model: nn.Module, dataset: Dataset) -> _Plan | str:
+def _build_plan(model: nn.Module, dataset: Dataset) -> Plan | str:
     if type(model) is not nn.Sequential:
         return f"it is a {type(model).__name__}, not an nn.Sequential of the layers cohort training batches"
     if dataset.ignore_label is not None or type(dataset).loss is not Dataset.loss:
@@ -185,17 +202,17 @@ def _build_plan(model: nn.Module, dataset: Dataset) -> _Plan | str:
         why = _layer_problem(m)
         if why:
             return why
-        kind = {nn.Flatten: _FLATTEN, nn.Linear: _LINEAR, nn.ReLU: _RELU, nn.Conv2d: _CONV,
+        kind = {nn.Flatten: _FLATTEN, nn.Linear: LINEAR, nn.ReLU: _RELU, nn.Conv2d: _CONV,
                 nn.MaxPool2d: _POOL}[type(m)]
-        weight = index[id(m.weight)] if kind in (_LINEAR, _CONV) else -1
-        bias = index[id(m.bias)] if kind in (_LINEAR, _CONV) and m.bias is not None else -1
+        weight = index[id(m.weight)] if kind in (LINEAR, _CONV) else -1
+        bias = index[id(m.bias)] if kind in (LINEAR, _CONV) and m.bias is not None else -1
         layers.append(_Layer(kind, m, weight, bias))
     used = sorted(i for layer in layers for i in (layer.weight, layer.bias) if i >= 0)
     if used != list(range(len(parameters))):
         return "its parameters are not all in its layers, in order"
     shapes = [p.shape for p in parameters]
     offsets = list(np.cumsum([0] + [p.numel() for p in parameters[:-1]]).tolist())
-    plan = _Plan(layers, shapes, offsets, sum(p.numel() for p in parameters), 0,
+    plan = Plan(layers, shapes, offsets, sum(p.numel() for p in parameters), 0,
                  min(i for i, layer in enumerate(layers) if layer.weight >= 0))
     # Check the plan against the model itself, on blank examples: the same logits, bit
     # for bit, and Linear layers that see one feature vector per example.
@@ -207,7 +224,7 @@ def _build_plan(model: nn.Module, dataset: Dataset) -> _Plan | str:
         floats = 0
         params = plan.expanded(_flat_of(parameters), 1)
         for layer in layers:
-            if layer.kind == _LINEAR and a.dim() != 3:
+            if layer.kind == LINEAR and a.dim() != 3:
                 return "a Linear layer in it sees more than one feature vector per example"
             a, _ = _forward_layer(layer, params, a)
             floats += a[0, 0].numel()
@@ -221,16 +238,12 @@ def _build_plan(model: nn.Module, dataset: Dataset) -> _Plan | str:
     return plan
 
 
-def _reproduces(model: nn.Module, plan: _Plan, dataset: Dataset) -> bool:
+def _reproduces(model: nn.Module, plan: Plan, dataset: Dataset) -> bool:
     """Whether the batched steps give, bit for bit, what training.client_update gives each
     client alone, on random examples: members of 1, 3 and 2 examples in minibatches of
     2 (so steps of one and of two examples, side by side), from one shared model and
     from models of their own. Kernels are chosen by shape, layout and device, so this
     is asked of the model at hand, once per process."""
-    import copy
-
-    from .training import client_update
-
     rng = np.random.default_rng(0)
     sizes = (1, 3, 2)
     stored = [dataset.blank(n) for n in sizes]
@@ -244,7 +257,7 @@ def _reproduces(model: nn.Module, plan: _Plan, dataset: Dataset) -> bool:
         members = [Member(x=x, y=y, start=start, generator=torch.Generator().manual_seed(k), epochs=1,
                           batch_size=2, lr=0.1)
                    for k, (x, y, start) in enumerate(zip(xs, ys, starts))]
-        together = _train_chunk(plan, members, dataset, device_of(model))
+        together = _train_chunk(plan, members, dataset, device_of(model), term=None)
         for k, member in enumerate(members):
             set_flat(alone, member.start)
             own = client_update(alone, member.x, member.y, epochs=1, batch_size=2, lr=0.1,
@@ -258,7 +271,7 @@ def _flat_of(parameters: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in parameters])
 
 
-def plan_of(model: nn.Module, dataset: Dataset) -> _Plan | str:
+def plan_of(model: nn.Module, dataset: Dataset) -> Plan | str:
     """The model's plan for batched training, or why it cannot have one; kept on the
     model (one instance per pool thread)."""
     key = ("_fedemu_cohort_plan", dataset.name)
@@ -273,25 +286,15 @@ def problem(model: nn.Module, dataset: Dataset) -> str | None:
     plan = plan_of(model, dataset)
     return plan if isinstance(plan, str) else None
 
-
-def svrg_problem(model: nn.Module, dataset: Dataset) -> str | None:
-    """Why SVRG's pass cannot be batched for ``model`` (None: it can): as the per-client
-    fast path, it needs a plain ReLU MLP and a plain classification data set."""
-    if not dataset.plain_classification:
-        return f"data set {dataset.name!r} augments or scores with a loss of its own"
-    if _plain_mlp(model) is None:
-        return "SVRG's pass is batched for a plain ReLU MLP only"
-    return problem(model, dataset)
-
-
 # --- one layer, forward and backward, for all members ----------------------------------
+
 
 
 def _forward_layer(layer: _Layer, params: list[torch.Tensor], a: torch.Tensor):
     """(output, what the backward pass needs) for activations ``a`` of shape
     (members, examples, *features)."""
     kind = layer.kind
-    if kind == _LINEAR:
+    if kind == LINEAR:
         weight = params[layer.weight].transpose(1, 2)
         if layer.bias >= 0:
             return torch.baddbmm(params[layer.bias].unsqueeze(1), a, weight), a
@@ -319,7 +322,7 @@ def _pool_args(m: nn.MaxPool2d) -> tuple:
             pair(m.dilation), m.ceil_mode)
 
 
-def _forward(plan: _Plan, params: list[torch.Tensor], x: torch.Tensor):
+def _forward(plan: Plan, params: list[torch.Tensor], x: torch.Tensor):
     saved = []
     a = x
     for layer in plan.layers:
@@ -334,7 +337,7 @@ def _forward(plan: _Plan, params: list[torch.Tensor], x: torch.Tensor):
 _BLOCK_BYTES = 4 * 2**20
 
 
-def _backward(plan: _Plan, params: list[torch.Tensor], saved: list, grad: torch.Tensor,
+def _backward(plan: Plan, params: list[torch.Tensor], saved: list, grad: torch.Tensor,
               spend: Callable[[int, int, int, torch.Tensor], None]) -> None:
     """The backward pass from the logits' gradient, with the ops and operands autograd
     uses for one client, per member. Each parameter's gradient, as soon as it is known
@@ -346,7 +349,7 @@ def _backward(plan: _Plan, params: list[torch.Tensor], saved: list, grad: torch.
     for i in range(len(plan.layers) - 1, -1, -1):
         layer, keep = plan.layers[i], saved[i]
         needs_input = i > plan.first_with_parameters
-        if layer.kind == _LINEAR:
+        if layer.kind == LINEAR:
             weight = params[layer.weight]
             bias = g.sum(1) if layer.bias >= 0 else None
             below = torch.bmm(g, weight) if needs_input else None
@@ -417,7 +420,7 @@ def memory_budget(device: torch.device) -> int:
     return CPU_MEMORY_BYTES
 
 
-def chunks(plan: _Plan, members: list[Member], examples_per_step: Callable[[Member], int], copies: int,
+def chunks(plan: Plan, members: list[Member], examples_per_step: Callable[[Member], int], copies: int,
            memory_bytes: int) -> list[list[int]]:
     """Members' indices in chunks that fit ``memory_bytes``: ``copies`` model-sized tensors
     per member, and its step's activations and their gradients."""
@@ -501,35 +504,37 @@ class _Trainee:
 
 
 def train(model: nn.Module, members: list[Member], dataset: Dataset,
-          memory_bytes: int | None = None) -> list[TrainResult | None]:
+          memory_bytes: int | None = None, term: GradientTerm | None = None) -> list[TrainResult | None]:
     """Each member's ``training.client_update`` (E epochs of B-minibatch SGD from its
-    start weights, with its proximal term when ``prox_mu`` > 0), computed together; a
-    member that stopped gets None. ``model`` gives the architecture and the device; its
-    weights are neither read nor changed."""
+    start weights, with the algorithm's ``term`` added to its gradients), computed
+    together; a member that stopped gets None. ``model`` gives the architecture and the
+    device; its weights are neither read nor changed."""
     plan = _checked_plan(model, dataset)
     device = device_of(model)
     budget = memory_bytes if memory_bytes is not None else memory_budget(device)
     results: list[TrainResult | None] = [None] * len(members)
-    # Per member: its weights, and its start for the proximal term; gradients are made a
-    # block of members at a time (_backward), not per member.
+    # Per member: its weights, and its start for the term; gradients are made a block of
+    # members at a time (_backward), not per member.
+    reads_start = term is not None and term.reads_start
     for chunk in chunks(plan, members, lambda m: min(m.batch_size or len(m.y), len(m.y)),
-                        2 if any(m.prox_mu for m in members) else 1, budget):
-        for i, result in zip(chunk, _train_chunk(plan, [members[i] for i in chunk], dataset, device)):
+                        2 if reads_start else 1, budget):
+        for i, result in zip(chunk, _train_chunk(plan, [members[i] for i in chunk], dataset, device, term)):
             results[i] = result
     return results
 
 
-def _checked_plan(model: nn.Module, dataset: Dataset) -> _Plan:
+def _checked_plan(model: nn.Module, dataset: Dataset) -> Plan:
     plan = plan_of(model, dataset)
     if isinstance(plan, str):
         raise ValueError(f"cannot train this model as a cohort: {plan}")
     return plan
 
 
-def _train_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: torch.device):
+def _train_chunk(plan: Plan, members: list[Member], dataset: Dataset, device: torch.device,
+                 term: GradientTerm | None):
     trainees = []
     for m in members:
-        count = _check_local_data(m.x, m.y)
+        count = check_local_data(m.x, m.y)
         if m.epochs <= 0:
             raise ValueError(f"epochs must be positive, got {m.epochs}")
         if m.batch_size is not None and m.batch_size < 0:
@@ -541,13 +546,13 @@ def _train_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: t
     flat = plan.stacked(size, device)
     weights = plan.views(flat)
     shared = _shared_start(members)
-    starts: list[torch.Tensor] | None = None  # each member's w_t: the first step's and the proximal term's
+    starts: list[torch.Tensor] | None = None  # each member's w_t: the first step's and the term's
     if shared:
         starts = plan.expanded(_start_tensor(members[0].start, device), size)
     else:
         for k, m in enumerate(members):
             flat[k] = torch.from_numpy(np.asarray(m.start, dtype=np.float32)).to(device)
-        if any(m.prox_mu for m in members):
+        if term is not None and term.reads_start:
             starts = plan.views(plan.stacked(size, device).copy_(flat))
     first = True
     while True:
@@ -562,8 +567,9 @@ def _train_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: t
         if not groups:
             break
         for rows in groups.values():
-            for lo, hi in _runs(rows):
-                _train_step(plan, weights, starts, lo, hi, trainees[lo:hi], dataset, from_start=shared and first)
+            for lo, hi in consecutive_runs(rows):
+                _train_step(plan, weights, starts, lo, hi, trainees[lo:hi], dataset, term,
+                            from_start=shared and first)
         first = False
     out = []
     for k, t in enumerate(trainees):
@@ -575,7 +581,7 @@ def _train_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: t
     return out
 
 
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
+def consecutive_runs(rows: list[int]) -> list[tuple[int, int]]:
     """Increasing indices as [lo, hi) runs of consecutive ones: each run's rows are one
     view of the stacked weights, with no gathering."""
     runs = []
@@ -589,31 +595,31 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _rows(params: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+def member_rows(params: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
     """Members lo..hi-1 of each stacked parameter (of a shared one, expanded: any rows)."""
     return [p[:hi - lo] if p.stride(0) == 0 else p[lo:hi] for p in params]
 
 
-def _train_step(plan: _Plan, weights: list[torch.Tensor], starts: list[torch.Tensor] | None, lo: int, hi: int,
-                trainees: list[_Trainee], dataset: Dataset, from_start: bool) -> None:
+def _train_step(plan: Plan, weights: list[torch.Tensor], starts: list[torch.Tensor] | None, lo: int, hi: int,
+                trainees: list[_Trainee], dataset: Dataset, term: GradientTerm | None, from_start: bool) -> None:
     """One SGD step of members lo..hi-1, whose minibatches have one size, as sgd_epochs
-    takes it for each: forward, the loss's gradient, the proximal term, then
+    takes it for each: forward, the loss's gradient, the algorithm's term, then
     param += -lr * grad. ``from_start``: they all stand at one shared model (their first
     step), which is read, not copied, and the step writes their own weights."""
     batches = [t.next_batch(dataset) for t in trainees]
     x = torch.stack([b[0] for b in batches])
     y = torch.stack([b[1] for b in batches])
-    target = _rows(weights, lo, hi)
-    source = _rows(starts, lo, hi) if from_start else target
-    anchors = _rows(starts, lo, hi) if starts is not None else None
+    target = member_rows(weights, lo, hi)
+    source = member_rows(starts, lo, hi) if from_start else target
+    anchors = member_rows(starts, lo, hi) if starts is not None else None
     rates = [-t.lr() for t in trainees]
-    mus = [t.member.prox_mu for t in trainees]
+    members = [t.member for t in trainees]
 
     def spend(index: int, first: int, end: int, grad: torch.Tensor) -> None:
-        if any(mus[first:end]):  # FedProx: mu (w - w_t) joins the gradient
-            difference = source[index][first:end] - anchors[index][first:end]
-            _each(grad, difference, mus[first:end], lambda g, d, mu: g.add_(d, alpha=mu))
-        _each(target[index][first:end], (source[index][first:end], grad), rates[first:end],
+        if term is not None:
+            term.add(grad, source[index][first:end], None if anchors is None else anchors[index][first:end],
+                     members[first:end])
+        each(target[index][first:end], (source[index][first:end], grad), rates[first:end],
               lambda out, pair, rate: torch.add(pair[0], pair[1], alpha=rate, out=out))
 
     with torch.no_grad():
@@ -624,7 +630,7 @@ def _train_step(plan: _Plan, weights: list[torch.Tensor], starts: list[torch.Ten
         t.stepped(loss)
 
 
-def _each(target: torch.Tensor, other, scalars: list[float], op) -> None:
+def each(target: torch.Tensor, other, scalars: list[float], op) -> None:
     """``op(target, other, scalar)`` for members' rows: once for all when their scalars
     agree (the usual case), else member by member (an elementwise op gives the same
     bits either way)."""
@@ -646,22 +652,22 @@ def gradients(model: nn.Module, members: list[Member], dataset: Dataset,
     device = device_of(model)
     budget = memory_bytes if memory_bytes is not None else memory_budget(device)
     results: list = [None] * len(members)
-    for chunk in chunks(plan, members, lambda m: min(len(m.y), _FULL_PASS_CHUNK), 2, budget):
+    for chunk in chunks(plan, members, lambda m: min(len(m.y), FULL_PASS_CHUNK), 2, budget):
         for i, result in zip(chunk, _gradient_chunk(plan, [members[i] for i in chunk], dataset, device)):
             results[i] = result
     return results
 
 
-def _gradient_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device: torch.device) -> list:
-    counts = [_check_local_data(m.x, m.y) for m in members]
+def _gradient_chunk(plan: Plan, members: list[Member], dataset: Dataset, device: torch.device) -> list:
+    counts = [check_local_data(m.x, m.y) for m in members]
     targets = [dataset.targets(m.y).to(device) for m in members]
     size = len(members)
     sums = plan.stacked(size, device)  # each member's gradient of its summed loss
     sum_views = plan.views(sums)
-    weights = _stacked_starts(plan, members, device)
+    weights = stacked_starts(plan, members, device)
     losses = [0.0] * size
     stopped = [False] * size
-    for start in range(0, max(counts), _FULL_PASS_CHUNK):
+    for start in range(0, max(counts), FULL_PASS_CHUNK):
         groups: dict[int, list[int]] = {}  # members by the size of this piece of their data
         for k, m in enumerate(members):
             if stopped[k] or counts[k] <= start:
@@ -669,21 +675,21 @@ def _gradient_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device
             if m.stopped():
                 stopped[k] = True
                 continue
-            groups.setdefault(min(_FULL_PASS_CHUNK, counts[k] - start), []).append(k)
+            groups.setdefault(min(FULL_PASS_CHUNK, counts[k] - start), []).append(k)
         for piece, rows in groups.items():
-            for lo, hi in _runs(rows):
+            for lo, hi in consecutive_runs(rows):
                 x = torch.stack([dataset.inputs(members[k].x[start:start + piece]).to(device) for k in range(lo, hi)])
                 y = torch.stack([targets[k][start:start + piece] for k in range(lo, hi)])
-                target = _rows(sum_views, lo, hi)
+                target = member_rows(sum_views, lo, hi)
 
                 def spend(index: int, first: int, end: int, grad: torch.Tensor, target=target) -> None:
                     # The first piece's gradient is the gradient; later ones add to it (autograd's accumulation).
                     (target[index][first:end].copy_ if start == 0 else target[index][first:end].add_)(grad)
 
                 with torch.no_grad():
-                    logits, saved = _forward(plan, _rows(weights, lo, hi), x)
+                    logits, saved = _forward(plan, member_rows(weights, lo, hi), x)
                     piece_losses, grad = _loss_and_grad(logits, y, mean=False)
-                    _backward(plan, _rows(weights, lo, hi), saved, grad, spend)
+                    _backward(plan, member_rows(weights, lo, hi), saved, grad, spend)
                 for k, loss in zip(range(lo, hi), piece_losses):
                     losses[k] += loss.item()
     out = []
@@ -696,7 +702,7 @@ def _gradient_chunk(plan: _Plan, members: list[Member], dataset: Dataset, device
     return out
 
 
-def _stacked_starts(plan: _Plan, members: list[Member], device: torch.device) -> list[torch.Tensor]:
+def stacked_starts(plan: Plan, members: list[Member], device: torch.device) -> list[torch.Tensor]:
     """Each member's start weights as (members, *shape) parameters: one model expanded
     when they share it, else their own rows."""
     if _shared_start(members):
@@ -705,119 +711,3 @@ def _stacked_starts(plan: _Plan, members: list[Member], device: torch.device) ->
     for k, m in enumerate(members):
         flat[k] = torch.from_numpy(np.asarray(m.start, dtype=np.float32)).to(device)
     return plan.views(flat)
-
-
-# --- the SVRG task ---------------------------------------------------------------------------
-
-
-def svrg(model: nn.Module, members: list[Member], dataset: Dataset,
-         memory_bytes: int | None = None) -> list[TrainResult | None]:
-    """Each member's ``training.svrg_pass`` (one variance-reduced pass, a step per example
-    in its own order, stepsize ``stepsize`` / n_k), computed together; None for a member
-    that stopped. Members of one size take their steps side by side."""
-    why = svrg_problem(model, dataset)
-    if why:
-        raise ValueError(f"cannot run SVRG's pass as a cohort: {why}")
-    plan = plan_of(model, dataset)
-    device = device_of(model)
-    budget = memory_bytes if memory_bytes is not None else memory_budget(device)
-    results: list = [None] * len(members)
-    by_size: dict[int, list[int]] = {}
-    for i, m in enumerate(members):
-        by_size.setdefault(_check_local_data(m.x, m.y), []).append(i)
-    for count, indices in by_size.items():
-        for chunk in chunks(plan, [members[i] for i in indices], lambda m: count, 3, budget):
-            chosen = [indices[i] for i in chunk]
-            for i, result in zip(chosen, _svrg_chunk(plan, [members[i] for i in chosen], count, dataset, device)):
-                results[i] = result
-    return results
-
-
-def _mlp_pass(plan: _Plan, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor):
-    """training._mlp_backward for each member: the Linear layers' inputs and output
-    gradients of the per-example cross-entropy (not averaged), and the losses."""
-    linears = [layer for layer in plan.layers if layer.kind == _LINEAR]
-    members, examples = x.shape[:2]
-    inputs, pre = [], []
-    a = x.reshape(members, examples, -1)
-    for j, layer in enumerate(linears):
-        inputs.append(a)
-        z = torch.baddbmm(params[layer.bias].unsqueeze(1), a, params[layer.weight].transpose(1, 2))
-        pre.append(z)
-        a = torch.relu(z) if j < len(linears) - 1 else z
-    classes = a.shape[-1]
-    losses = F.cross_entropy(a.reshape(-1, classes), y.reshape(-1), reduction="none").view(members, examples)
-    dz = torch.softmax(a, dim=2)
-    dz.view(-1, classes)[torch.arange(members * examples, device=dz.device), y.reshape(-1)] -= 1.0
-    grads: list = [None] * len(linears)
-    for j in range(len(linears) - 1, -1, -1):
-        grads[j] = dz
-        if j:
-            dz = torch.bmm(dz, params[linears[j].weight]) * (pre[j - 1] > 0)
-    return linears, inputs, grads, losses
-
-
-def _svrg_chunk(plan: _Plan, members: list[Member], count: int, dataset: Dataset, device: torch.device):
-    size = len(members)
-    inputs = torch.stack([dataset.inputs(m.x).to(device) for m in members])
-    targets = torch.stack([dataset.targets(m.y).to(device) for m in members])
-    starts = _stacked_starts(plan, members, device)
-    full = _stacked_starts(plan, [Member(m.x, m.y, _checked_full_gradient(m, plan.size)) for m in members], device)
-    rates = [m.stepsize / count for m in members]  # h_k = stepsize / n_k
-    orders = torch.stack([torch.randperm(count, generator=m.generator) for m in members]).to(device)
-    with torch.no_grad():
-        # Each member's per-example gradients at w_t, for all its examples at once.
-        linears, anchor_a, anchor_dz, _ = _mlp_pass(plan, starts, inputs, targets)
-        flat = plan.stacked(size, device)
-        weights = plan.views(flat)
-        for target, start in zip(weights, starts):
-            target.copy_(start)
-        losses: list[list] = [[] for _ in members]
-        stopped = [False] * size
-        every = torch.arange(size, device=device)
-        for step in range(count):
-            rows = [k for k in range(size) if not stopped[k]]
-            for k in rows:
-                if members[k].stopped():
-                    stopped[k] = True
-            rows = [k for k in rows if not stopped[k]]
-            if not rows:
-                break
-            chosen = orders[:, step]
-            for lo, hi in _runs(rows):
-                picked = chosen[lo:hi]
-                x = inputs[every[lo:hi], picked].unsqueeze(1)
-                y = targets[every[lo:hi], picked].unsqueeze(1)
-                params = _rows(weights, lo, hi)
-                _, a, dz, loss = _mlp_pass(plan, params, x, y)
-                for j, layer in enumerate(linears):
-                    weight, bias = params[layer.weight], params[layer.bias]
-                    a0 = anchor_a[j][every[lo:hi], picked]
-                    dz0 = anchor_dz[j][every[lo:hi], picked]
-                    full_w, full_b = _rows(full, lo, hi)[layer.weight], _rows(full, lo, hi)[layer.bias]
-                    h = rates[lo:hi]
-                    # As _svrg_mlp: w += -h G, then w += -h outer(dz, a) and w += h outer(dz0, a0) by
-                    # addr_ itself, member by member: no batched op rounds its tails as it does.
-                    _each(weight, full_w, [-r for r in h], lambda w, g, r: w.add_(g, alpha=r))
-                    for k in range(hi - lo):
-                        weight[k].addr_(dz[j][k, 0], a[j][k, 0], alpha=-h[k]).addr_(dz0[k], a0[k], alpha=h[k])
-                    _each(bias, full_b, [-r for r in h], lambda b, g, r: b.add_(g, alpha=r))
-                    _each(bias, dz[j][:, 0], h, lambda b, d, r: b.sub_(d, alpha=r))
-                    _each(bias, dz0, h, lambda b, d, r: b.add_(d, alpha=r))
-                for k, value in zip(range(lo, hi), loss[:, 0].tolist()):
-                    losses[k].append(value)
-    out = []
-    for k, m in enumerate(members):
-        if stopped[k] or m.stopped():
-            out.append(None)
-            continue
-        out.append(TrainResult(weights=flat[k].cpu().numpy(), num_samples=count,
-                               train_loss=float(np.mean(losses[k])), steps=count))
-    return out
-
-
-def _checked_full_gradient(member: Member, size: int) -> np.ndarray:
-    full = np.asarray(member.full_gradient, dtype=np.float32)
-    if full.shape != (size,):
-        raise ValueError(f"full gradient has {full.size} values, the model {size}")
-    return full

@@ -55,6 +55,7 @@ def training_flops_per_example(model: ModelSpec) -> float:
 def counted_flops(model: torch.nn.Module, inputs: torch.Tensor) -> float:
     """Forward and backward FLOPs of ``model`` on ``inputs`` by torch's own counter
     (any architecture; its first use in a process costs about a second of imports)."""
+    # torch where it is used: this module is read without it, where a config is checked
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)

@@ -50,6 +50,7 @@ def _fold() -> Callable[[np.ndarray, np.ndarray, float], None]:
     once (numba/numba#4807), as a run's worker nodes would in their first round."""
     global _fold_kernel
     if _fold_kernel is None:
+        # numba's import and compilation are start-up seconds, paid only where nodes sum
         import numba
 
         @numba.njit(nogil=True)

@@ -40,6 +40,7 @@ Builder = Callable[..., "nn.Module"]  # builder(input_shape=(C, H, W), num_class
 
 
 def _two_layer_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     # "2NN": two hidden layers of 200 units; on MNIST 199,210 parameters.
@@ -54,6 +55,7 @@ def _two_layer_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 
 def _cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     if len(input_shape) != 3:
@@ -80,6 +82,7 @@ def _cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     convolutions of 64 with 3x3 max-pooling (stride 2, padded) and local response
     normalisation, fully connected layers of 384 and 192, and a linear layer to the
     logits; on 24x24 crops 1,068,298 parameters ("about 10^6")."""
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     if len(input_shape) != 3:
@@ -107,7 +110,9 @@ def _char_lstm(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     positions (logits (n, T, classes)). For 258 classes, 867,090 parameters: PyTorch's
     LSTM has two bias vectors and no peepholes, TensorFlow's cell one and three peephole
     vectors per layer, hence 2 x (1,024 - 768) = 512 more than the paper's 866,578."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     if len(input_shape) != 1:
@@ -158,8 +163,10 @@ def fits(name: str, dataset_name: str) -> str | None:
     built for the data set's declared input shape and classes and run, with the data
     set's loss, on a blank batch of its examples, so a mismatch is found before anything
     starts, plug-ins included. Cached: a sweep checks each point."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
+    # models.py is imported by datasets/ (a data set names its models)
     from .datasets import get
 
     dataset = get(dataset_name)
@@ -219,7 +226,9 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: in
     variance, so init_std = sqrt(0.003)); ``"glorot"`` is TensorFlow's default for dense
     and convolution layers, which McMahan et al.'s models had: weights Glorot-uniform,
     biases zero (other layers keep PyTorch's defaults)."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     make = builder(name)
@@ -240,6 +249,7 @@ def build(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: in
 
 
 def _normal_init(model: nn.Module, std: float) -> None:
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
     with torch.no_grad():
@@ -248,7 +258,9 @@ def _normal_init(model: nn.Module, std: float) -> None:
 
 
 def _glorot_init(model: nn.Module) -> None:
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
+    # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
 
     with torch.no_grad():
@@ -295,6 +307,7 @@ def _host_views(model: nn.Module) -> list[np.ndarray] | None:
 def get_flat(model: nn.Module) -> np.ndarray:
     """All parameters as one new contiguous float32 vector (one copy; from a GPU, the
     concatenation is made there and crosses to the host once)."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
     with torch.no_grad():
@@ -306,6 +319,7 @@ def get_flat(model: nn.Module) -> np.ndarray:
 def split_flat(model: nn.Module, vec: np.ndarray) -> list:
     """``vec``, laid out as ``get_flat`` makes it, as one tensor per parameter, shaped and
     placed as that parameter (for a task that adds a flat vector to the gradients)."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
     if vec.ndim != 1 or vec.shape[0] != num_parameters(model):
@@ -322,6 +336,7 @@ def split_flat(model: nn.Module, vec: np.ndarray) -> list:
 
 def set_flat(model: nn.Module, vec: np.ndarray) -> None:
     """Overwrite all parameters from a vector laid out as ``get_flat`` makes it."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
     vec = np.ascontiguousarray(vec)  # no copy when it already is

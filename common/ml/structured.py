@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from torch.func import functional_call
 from .compression import LOW_RANK, RANDOM_MASK, UpdateCodec, low_rank_product
 from .models import get_flat
 from .datasets import Dataset
-from .training import IMAGES, _prepared, client_update, device_of, sgd_epochs
+from .training import IMAGES, client_update, device_of, prepared, sgd_epochs
 
 
 class _Mask(NamedTuple):
@@ -65,8 +65,8 @@ def compressed_client_update(
     generator: torch.Generator,
     lr_decay: float = 0.0,
     start_iteration: int = 0,
-    prox_mu: float = 0.0,
     dataset: Dataset = IMAGES,
+    after_backward: Callable[[], None] | None = None,
 ) -> CompressedResult:
     """Train from the weights ``model`` holds (w_global) and return the encoded update.
 
@@ -79,14 +79,15 @@ def compressed_client_update(
     if not codec.structured:
         result = client_update(model, x, y, epochs=epochs, batch_size=batch_size,
                                lr=lr, generator=generator, lr_decay=lr_decay,
-                               start_iteration=start_iteration, prox_mu=prox_mu, dataset=dataset)
+                               start_iteration=start_iteration, dataset=dataset, after_backward=after_backward)
         delta = result.weights - start_weights
         started = time.perf_counter()  # wall: the encoding's measured compute
         encoded = codec.encode(delta, seed)
         return CompressedResult(encoded, delta, result.num_samples, result.train_loss, result.steps,
                                 time.perf_counter() - started)  # wall
-    if prox_mu:  # config.py refuses FedProx with structured updates
-        raise ValueError("a structured update has no proximal term; use sketched compression with FedProx")
+    if after_backward is not None:  # FedProx's check_config refuses it with structured updates
+        raise ValueError("a structured update trains in a restricted space of its own, where a gradient hook "
+                         "(FedProx's proximal term) does not apply; use sketched compression")
     return _restricted_update(model, x, y, codec, seed, start_weights,
                               epochs, batch_size, lr, generator, lr_decay, start_iteration, dataset)
 
@@ -94,7 +95,7 @@ def compressed_client_update(
 def _restricted_update(model, x, y, codec, seed, start_weights,
                        epochs, batch_size, lr, generator, lr_decay, start_iteration, dataset) -> CompressedResult:
     device = device_of(model)
-    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device)
+    count, batch, inputs, targets = prepared(x, y, epochs, batch_size, dataset, device)
 
     named = list(model.named_parameters())
     if len(named) != len(codec.layers):

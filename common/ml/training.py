@@ -29,7 +29,7 @@ from .datasets import Dataset, ImageDataset
 from .models import get_flat, parameters_of
 
 # Chunk size for full-data passes: bounds activation memory on big clients.
-_FULL_PASS_CHUNK = 2000
+FULL_PASS_CHUNK = 2000
 
 
 class TrainingStopped(Exception):
@@ -52,7 +52,7 @@ def stop_when(should_stop: Callable[[], bool]):
         _stop.check = previous
 
 
-def _stop_point() -> None:
+def stop_point() -> None:
     check = getattr(_stop, "check", None)
     if check is not None and check():
         raise TrainingStopped
@@ -89,7 +89,7 @@ def device_of(model: nn.Module) -> torch.device:
     return parameters[0].device if parameters else torch.device("cpu")
 
 
-def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
+def check_local_data(x: np.ndarray, y: np.ndarray) -> int:
     count = len(y)
     if count == 0:
         raise ValueError("a client needs at least one sample")
@@ -98,11 +98,11 @@ def _check_local_data(x: np.ndarray, y: np.ndarray) -> int:
     return count
 
 
-def _prepared(x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None, dataset: Dataset,
+def prepared(x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None, dataset: Dataset,
               device: torch.device):
     """Checked arguments of a ClientUpdate: (n, batch size, input tensor, target tensor),
     the tensors on ``device``."""
-    count = _check_local_data(x, y)
+    count = check_local_data(x, y)
     if epochs <= 0:
         raise ValueError(f"epochs must be positive, got {epochs}")
     if batch_size is not None and batch_size < 0:
@@ -143,7 +143,7 @@ def sgd_epochs(
         order = torch.randperm(count, generator=generator).to(inputs.device)
         losses = []
         for start in range(0, count, batch):
-            _stop_point()
+            stop_point()
             chosen = order[start : start + batch]
             step_lr = lr / (1.0 + lr_decay * (start_iteration + steps)) if lr_decay else lr
             for p in params:
@@ -177,7 +177,6 @@ def client_update(
     generator: torch.Generator,
     lr_decay: float = 0.0,
     start_iteration: int = 0,
-    prox_mu: float = 0.0,
     dataset: Dataset = IMAGES,
     after_backward: Callable[[], None] | None = None,
 ) -> TrainResult:
@@ -191,50 +190,23 @@ def client_update(
     ``lr_decay`` is Keras' time-based decay, as Nilsson et al. used it: step i (counted
     over the client's life, from ``start_iteration``) uses lr / (1 + lr_decay * i).
 
-    ``prox_mu`` > 0 adds FedProx's proximal term mu/2 ||w - w_start||^2 to the objective:
-    mu (w - w_start) joins every gradient (the reported loss is the data term alone).
-    ``after_backward`` may edit the gradients before each step (after the proximal term),
-    as a plug-in task's correction does (SCAFFOLD's control variates).
+    ``after_backward`` may edit the gradients before each step, as an algorithm's
+    correction does (FedProx's proximal term, SCAFFOLD's control variates).
     """
-    count, batch, inputs, targets = _prepared(x, y, epochs, batch_size, dataset, device_of(model))
+    count, batch, inputs, targets = prepared(x, y, epochs, batch_size, dataset, device_of(model))
     if not model.training:  # model.train() walks every module, even when all are training already
         model.train()
     params = parameters_of(model)
     steps, epoch_losses = sgd_epochs(model, params, inputs, targets, batch=batch, epochs=epochs,
                                      lr=lr, generator=generator, lr_decay=lr_decay,
                                      start_iteration=start_iteration,
-                                     after_backward=_chain(_proximal_term(params, prox_mu) if prox_mu else None,
-                                                           after_backward),
-                                     dataset=dataset)
+                                     after_backward=after_backward, dataset=dataset)
     return TrainResult(
         weights=get_flat(model),
         num_samples=count,
         train_loss=float(np.mean(epoch_losses)),
         steps=steps,
     )
-
-
-def _chain(*hooks: Callable[[], None] | None) -> Callable[[], None] | None:
-    present = [hook for hook in hooks if hook is not None]
-    if len(present) <= 1:
-        return present[0] if present else None
-
-    def each() -> None:
-        for hook in present:
-            hook()
-
-    return each
-
-
-def _proximal_term(params: list[torch.Tensor], mu: float) -> Callable[[], None]:
-    """Adds mu (w - w_start) to each gradient: FedProx's term mu/2 ||w - w_start||^2."""
-    start = [p.detach().clone() for p in params]
-
-    def add() -> None:
-        for p, p0 in zip(params, start):
-            p.grad.add_(p.detach() - p0, alpha=mu)
-
-    return add
 
 
 def local_gradient(
@@ -246,7 +218,7 @@ def local_gradient(
     Computed in chunks whose summed losses are backpropagated, so gradients
     accumulate to exactly the full-batch sum before the one division by n.
     """
-    count = _check_local_data(x, y)
+    count = check_local_data(x, y)
     device = device_of(model)
     targets = dataset.targets(y).to(device)
     scored = int(dataset.scored(targets).sum())
@@ -255,9 +227,9 @@ def local_gradient(
     model.train()
     model.zero_grad(set_to_none=True)
     total_loss = 0.0
-    for start in range(0, count, _FULL_PASS_CHUNK):
-        _stop_point()
-        stop = min(start + _FULL_PASS_CHUNK, count)
+    for start in range(0, count, FULL_PASS_CHUNK):
+        stop_point()
+        stop = min(start + FULL_PASS_CHUNK, count)
         loss_sum = dataset.loss(model(dataset.inputs(x[start:stop]).to(device)), targets[start:stop],
                                 reduction="sum")
         loss_sum.backward()
@@ -276,7 +248,7 @@ def evaluate(
 ) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` on the given set, over its scored
     targets (every example's; for sequences, every position but padding)."""
-    count = _check_local_data(x, y)
+    count = check_local_data(x, y)
     device = device_of(model)
     was_training = model.training
     model.eval()
@@ -300,69 +272,7 @@ def evaluate(
     return correct / scored, total_loss / scored
 
 
-def svrg_pass(
-    model: nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
-    *,
-    anchor: nn.Module,
-    full_gradient: np.ndarray,
-    stepsize: float,
-    generator: torch.Generator,
-    dataset: Dataset = IMAGES,
-) -> TrainResult:
-    """One FSVRG client pass (Nilsson et al. 2018, Algorithm 2, lines 7-11).
-
-    ``model`` starts at w_t and is updated in place; ``anchor`` holds w_t fixed. Over a
-    random permutation of the n_k local samples, one update per sample:
-    w <- w - h_k * (grad f_i(w) - grad f_i(w_t) + grad f(w_t)), with h_k = stepsize / n_k.
-    """
-    count = _check_local_data(x, y)
-    # Un-augmented, like the full gradient it corrects: the pass's one update per sample
-    # compares gradients at w and w_t on the same input.
-    device = device_of(model)
-    inputs = dataset.inputs(x).to(device)
-    targets = dataset.targets(y).to(device)
-    params = list(model.parameters())
-    full = torch.from_numpy(np.asarray(full_gradient, dtype=np.float32)).to(device)
-    # The full gradient, split into views shaped like each parameter.
-    full_views, offset = [], 0
-    for p in params:
-        full_views.append(full[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    if offset != full.numel():
-        raise ValueError(f"full gradient has {full.numel()} values, the model {offset}")
-    h_k = stepsize / count
-    order = torch.randperm(count, generator=generator).tolist()
-    model.train()
-    anchor.train()
-    # The by-hand fast path computes the cross-entropy's gradient itself.
-    linears = _plain_mlp(model) if dataset.plain_classification else None
-    if linears is not None:
-        losses = _svrg_mlp(linears, _plain_mlp(anchor), inputs, targets, order, full_views, h_k)
-    else:
-        losses = _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k, dataset)
-    return TrainResult(weights=get_flat(model), num_samples=count,
-                       train_loss=float(np.mean(losses)), steps=count)
-
-
-def _svrg_autograd(model, anchor, inputs, targets, order, full_views, h_k, dataset: Dataset) -> list[float]:
-    params, anchor_params = list(model.parameters()), list(anchor.parameters())
-    losses = []
-    for i in order:
-        _stop_point()
-        x, y = inputs[i : i + 1], targets[i : i + 1]
-        loss = dataset.loss(model(x), y)
-        grads = torch.autograd.grad(loss, params)
-        anchor_grads = torch.autograd.grad(dataset.loss(anchor(x), y), anchor_params)
-        with torch.no_grad():
-            for p, g, g0, G in zip(params, grads, anchor_grads, full_views):
-                p.sub_(h_k * (g - g0 + G))
-        losses.append(loss.item())
-    return losses
-
-
-def _plain_mlp(model: nn.Module) -> list[nn.Linear] | None:
+def plain_mlp(model: nn.Module) -> list[nn.Linear] | None:
     """The Linear layers of a [Flatten,] Linear, ReLU, ..., Linear stack, else None."""
     layers = list(model.children()) if isinstance(model, nn.Sequential) else []
     if layers and isinstance(layers[0], nn.Flatten):
@@ -373,44 +283,3 @@ def _plain_mlp(model: nn.Module) -> list[nn.Linear] | None:
         if not isinstance(layer, nn.ReLU if i % 2 else nn.Linear):
             return None
     return layers[::2]
-
-
-def _mlp_backward(linears: list[nn.Linear], x: torch.Tensor, y: torch.Tensor):
-    """Batched forward and backward of mean-free per-sample cross-entropy: returns the
-    layer inputs a_l (n, d_in) and output gradients dz_l (n, d_out), so that sample i's
-    gradient is dW_l = outer(dz_l[i], a_l[i]), db_l = dz_l[i]; and the losses."""
-    inputs, pre = [], []
-    a = x.reshape(x.shape[0], -1)
-    for layer_index, layer in enumerate(linears):
-        inputs.append(a)
-        z = F.linear(a, layer.weight, layer.bias)
-        pre.append(z)
-        a = torch.relu(z) if layer_index < len(linears) - 1 else z
-    losses = F.cross_entropy(a, y, reduction="none")
-    dz = torch.softmax(a, dim=1)
-    dz[torch.arange(len(y), device=y.device), y] -= 1.0
-    grads = [None] * len(linears)
-    for layer_index in range(len(linears) - 1, -1, -1):
-        grads[layer_index] = dz
-        if layer_index:
-            dz = (dz @ linears[layer_index].weight) * (pre[layer_index - 1] > 0)
-    return inputs, grads, losses
-
-
-def _svrg_mlp(linears, anchor_linears, inputs, targets, order, full_views, h_k) -> list[float]:
-    """The same pass, exactly, for a plain ReLU MLP: per-sample gradients are outer
-    products, so each update is two rank-1 BLAS updates and the full-gradient term
-    (no autograd graph per sample: about 8x faster on the 2NN)."""
-    with torch.no_grad():
-        anchor_a, anchor_dz, _ = _mlp_backward(anchor_linears, inputs, targets)  # at w_t, all at once
-        views = [(layer.weight, layer.bias, full_views[2 * j], full_views[2 * j + 1])
-                 for j, layer in enumerate(linears)]
-        losses = []
-        for i in order:
-            _stop_point()
-            a, dz, loss = _mlp_backward(linears, inputs[i : i + 1], targets[i : i + 1])
-            for (weight, bias, G_w, G_b), a_l, dz_l, a0, dz0 in zip(views, a, dz, anchor_a, anchor_dz):
-                weight.add_(G_w, alpha=-h_k).addr_(dz_l[0], a_l[0], alpha=-h_k).addr_(dz0[i], a0[i], alpha=h_k)
-                bias.add_(G_b, alpha=-h_k).sub_(dz_l[0], alpha=h_k).add_(dz0[i], alpha=h_k)
-            losses.append(float(loss))
-    return losses

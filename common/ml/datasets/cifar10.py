@@ -11,6 +11,7 @@ byte of it is unpickled: the standard python archive (``cifar-10-python.tar.gz``
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pathlib
 import pickle
@@ -46,7 +47,6 @@ def read_archive(raw: bytes, origin: str, expected_md5: str | None = None) -> Ar
     expected = expected_md5 or CIFAR10_MD5
     if digest != expected:
         raise DatasetError(f"{origin}: md5 {digest}, expected {expected} (not the CIFAR-10 python archive)")
-    import io
 
     try:
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as archive:
@@ -91,6 +91,7 @@ def _from_home_page(progress: Progress) -> tuple[Arrays, dict]:
 def standardise(images):
     """TensorFlow's per_image_standardization: each image to mean 0 and unit variance
     (the deviation floored at 1/sqrt(pixels), so a flat image does not blow up)."""
+    # torch where it is used: this module is read without it, where a config is checked
     import torch
 
     flat = images.reshape(len(images), -1)
@@ -130,6 +131,7 @@ class Cifar10(Dataset):
     def inputs(self, x: np.ndarray, train: bool = False):
         """Evaluation: the centre 24x24, whitened. Training: the whole 32x32 image in 0..255,
         for ``augment`` to crop and distort."""
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         images = torch.from_numpy(np.asarray(x).astype(np.float32)).view(-1, *STORED_SHAPE)
@@ -143,6 +145,7 @@ class Cifar10(Dataset):
         with probability 1/2, brightness + U(-63, 63), contrast x U(0.2, 1.8) about each
         channel's mean, then whitening. Every draw from ``generator`` (on the CPU, whatever
         device the batch is on: a GPU run draws the same)."""
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         n = len(batch)

@@ -179,6 +179,7 @@ class Shakespeare(Dataset):
         return out
 
     def inputs(self, x: np.ndarray, train: bool = False):
+        # torch where it is used: this module is read without it, where a config is checked
         import torch
 
         return torch.from_numpy(np.asarray(x).astype(np.int64))

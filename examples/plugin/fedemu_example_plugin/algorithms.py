@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 
-from fedemu.node.schema import Key
-from fedemu.common.algorithms.rounds import Strategy
+from fedemu.common.algorithms import Strategy
 from fedemu.common.messages import TRAIN
+from fedemu.node.schema import Key
 
 
 class TrimmedMean(Strategy):

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedemu.node.schema import MAX_LEARNING_RATE, Key, interval
-from fedemu.common.algorithms.rounds import Strategy
+from fedemu.common.algorithms import LocalTask, Strategy, TaskOutput
 from fedemu.common.ml import models, training
-from fedemu.common.algorithms.tasks import LocalTask, TaskOutput
+from fedemu.node.schema import MAX_LEARNING_RATE, Key, interval
 
 
 class ScaffoldTrain(LocalTask):
