@@ -129,3 +129,54 @@ def test_no_module_imports_itself_through_others(graph):
 def test_the_runtime_needs_no_torch(graph):
     """node/ (broker, network model, runtime) runs where torch is absent or slow to import."""
     assert {m: sorted(e) for m, e in graph[1].items() if m.startswith("node") and "torch" in e} == {}
+
+
+# launch/ by job (issue 51): configuration at the bottom, then running runs, then studies of many.
+LAUNCH_RANK = {"config": 0, "running": 1, "studies": 2}
+# What stays at launch/'s top level besides the old paths' shims: the `fedemu` command and the API.
+LAUNCH_TOP = {"launch", "launch.__main__", "launch.cli", "launch.api"}
+
+
+def _shims() -> set[str]:
+    """Old import paths kept for now (common/moved.py): each module is one moved.alias call."""
+    return {m for m, path in modules().items() if "moved.alias(__name__" in path.read_text()}
+
+
+def test_launch_has_a_sub_package_per_job():
+    for job in LAUNCH_RANK:
+        init = ROOT / "launch" / job / "__init__.py"
+        assert init.exists(), f"launch/{job}/ is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"launch/{job}/__init__.py says nothing of what lives there"
+    top = {m for m in modules() if m.startswith("launch") and m.count(".") <= 1} - {f"launch.{j}" for j in LAUNCH_RANK}
+    assert top - _shims() == LAUNCH_TOP
+
+
+def test_nothing_outside_launch_imports_it(graph):
+    """The layers below take typed settings; none reaches back into the launcher."""
+    assert sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets
+                  if not a.startswith("launch") and b.startswith("launch")) == []
+
+
+def test_launch_jobs_import_downwards_only(graph):
+    """config imports nothing of running or studies; running nothing of studies."""
+    def job(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "launch" and len(parts) > 1 and parts[1] in LAUNCH_RANK else None
+    assert sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets
+                  if job(a) and job(b) and LAUNCH_RANK[job(b)] > LAUNCH_RANK[job(a)]) == []
+
+
+def test_no_module_imports_an_old_path(graph):
+    """The old paths are for users' code: fedemu's own, its tests and benchmarks import the new ones."""
+    shims = _shims()
+    assert shims, "no shim found: the check would see nothing"
+    used = sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets if b in shims)
+    for folder in ("tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "test_moved_paths.py":
+                continue
+            for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names])
+                used += [f"{path.relative_to(ROOT)} -> {n}" for n in names if n.removeprefix("fedemu.") in shims]
+    assert used == []
