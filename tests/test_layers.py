@@ -180,3 +180,17 @@ def test_no_module_imports_an_old_path(graph):
                          [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names])
                 used += [f"{path.relative_to(ROOT)} -> {n}" for n in names if n.removeprefix("fedemu.") in shims]
     assert used == []
+
+
+def test_a_node_process_reads_its_settings_without_the_config_code(graph):
+    """The launcher writes each node process's settings (config/settings.py); the nodes
+    read them back without importing the config's loading and validation."""
+    seen, todo = set(), ["launch.running.nodes"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(t for t in graph[0][module] if t.startswith("launch"))
+    assert "launch.config.settings" in seen
+    assert sorted(m for m in seen if m.startswith("launch.config.") and m not in ("launch.config.settings",
+                                                                                "launch.config.schema")) == []

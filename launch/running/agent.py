@@ -153,6 +153,16 @@ def host_config(config_toml: str, local_workers: int) -> str:
     return configuration.to_toml(config)
 
 
+def host_settings(settings_json: str, local_workers: int) -> str:
+    """The run's settings.json as this host's worker nodes read it: torch_threads as
+    :func:`host_config` sets it."""
+    settings = json.loads(settings_json)
+    node = settings["worker"]["node"]
+    if not node["torch_threads"] and node["clock"] == "wall":  # virtual time pins it to 1
+        node["torch_threads"] = max(1, usable_cores() // max(1, local_workers))
+    return json.dumps(settings, indent=1)
+
+
 class HostAgent:
     def __init__(self, bundle: dict, out=sys.stdout) -> None:
         self.bundle = bundle
@@ -169,11 +179,14 @@ class HostAgent:
 
     def start(self) -> None:
         b = self.bundle
-        (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
-        if "population_json" in b:
-            from ..config import POPULATION_FILE
+        from .. import config as configuration
 
-            (self.run_dir / POPULATION_FILE).write_text(b["population_json"])
+        (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
+        # What this host's worker nodes read: the launcher's settings, with this host's torch threads.
+        (self.run_dir / configuration.PROCESS_SETTINGS_FILE).write_text(
+            host_settings(b["settings_json"], len(b["indices"])))
+        if "population_json" in b:
+            (self.run_dir / configuration.POPULATION_FILE).write_text(b["population_json"])
         credentials = []
         for option, field, name in (("--keys", "keys", "run.keys"), ("--token-file", "token", "run.token")):
             path = self.run_dir / name

@@ -271,6 +271,7 @@ class MachinesRun(LocalRun):
                       f"{entry['clients'][0]}..{entry['clients'][1]}")
         self._start_server(f"tcp://127.0.0.1:{port}")
         bundle = {"run_id": secrets.token_hex(4), "config_toml": (self.run_dir / "config.toml").read_text(),
+                  "settings_json": (self.run_dir / configuration.PROCESS_SETTINGS_FILE).read_text(),
                   "keys": self.keys_file.read_text(), "token": self.token_file.read_text(), "workers": self.workers}
         population = self.run_dir / configuration.POPULATION_FILE
         if population.exists():  # each client's device speed: the hosts need not have the trace files

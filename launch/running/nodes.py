@@ -1,7 +1,9 @@
 """What one OS process of a run does: the broker, the server node, or a worker node.
 
-The launcher starts each as ``fedemu broker ...`` / ``fedemu node ROLE ...``; every one
-reads the resolved ``config.toml`` from the run directory and logs to
+The launcher starts each as ``fedemu broker ...`` / ``fedemu node ROLE ...``. The broker
+takes its settings on its command line and in ``network.json``; a node reads its own from
+the run directory's ``settings.json`` (written once by the launcher from the resolved
+config: ``config.settings``), without the config's loading and validation. Each logs to
 ``logs/<name>.log`` there.
 """
 from __future__ import annotations
@@ -78,6 +80,12 @@ def read_config(run_dir: Path) -> dict:
     return tomllib.loads((run_dir / "config.toml").read_text())
 
 
+def _settings(run_dir: Path, kind: str):
+    from ..config.settings import read_process_settings
+
+    return read_process_settings(run_dir, kind)
+
+
 def _keys(keys_file: Path | None):
     if keys_file is None:
         return None
@@ -94,36 +102,35 @@ def _token(token_file: Path | None) -> str | None:
     return load_token(token_file)
 
 
-def _node(name: str, broker: str, config: dict, keys_file: Path | None = None, pool_nice: int = 0,
+def _node(name: str, broker: str, settings, keys_file: Path | None = None, pool_nice: int = 0,
           token_file: Path | None = None) -> Node:
-    run = config["run"]
     secured = {"keys": _keys(keys_file)} if keys_file else {}
     # exit_on_failure: a node whose own machinery fails (out of memory) ends its process,
     # which its launcher sees and names (Node._fail).
-    return Node(name, broker, heartbeat_interval=run["heartbeat_interval_s"],
-                heartbeat_timeout=run["heartbeat_timeout_s"], pool_size=1, pool_nice=pool_nice,
+    return Node(name, broker, heartbeat_interval=settings.heartbeat_interval_s,
+                heartbeat_timeout=settings.heartbeat_timeout_s, pool_size=1, pool_nice=pool_nice,
                 token=_token(token_file), exit_on_failure=True, **secured).start()
 
 
-def _set_torch_threads(config: dict, workers: int) -> None:
+def _set_torch_threads(settings, workers: int) -> None:
     import torch
 
     # Virtual time promises the same weights on any host and placement: a thread count
     # that followed the cores would change how float sums are split, so it is one.
-    auto = 1 if config["run"]["clock"] == "virtual" else max(1, (os.cpu_count() or 1) // max(workers, 1))
-    threads = config["run"]["torch_threads"] or auto
+    auto = 1 if settings.clock == "virtual" else max(1, (os.cpu_count() or 1) // max(workers, 1))
+    threads = settings.torch_threads or auto
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
 
 
-def _device(config: dict, node: str, server: bool = False):
+def _device(settings, node: str, server: bool = False):
     """The torch device run.device names on this host, prepared (devices.use_device). The
     server only evaluates: on a host without the GPU the workers train on (a laptop
     launching onto GPU hosts), it evaluates on the CPU and says so."""
     from fedemu.common.ml import devices
 
     try:
-        device = devices.torch_device(config["run"]["device"])
+        device = devices.torch_device(settings.device)
     except devices.DeviceUnavailable as exc:
         if not server:
             raise
@@ -139,30 +146,30 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.common import algorithms
     from fedemu.server.async_engine import AsyncEngine, Concurrency
     from fedemu.server.engine import RoundEngine, Stop
-    from ..config import POPULATION_FILE, data_spec, model_spec, server_settings
+    from ..config.settings import POPULATION_FILE
     from fedemu.server.runlog import RunLog
     from fedemu.common.ml import split
     from fedemu.worker.client import warm_up
 
-    config = read_config(run_dir)
-    algo = config["algorithm"]
-    _set_torch_threads(config, 1)
-    device = _device(config, "the server", server=True)
+    own = _settings(run_dir, "server")
+    algo = own.algorithm
+    _set_torch_threads(own.node, 1)
+    device = _device(own.node, "the server", server=True)
     # With data.folds, the held-out fold is the test set (Nilsson's cross-validation).
-    run_data, _ = split.run_data(data_spec(config), shares=False)
+    run_data, _ = split.run_data(own.data_spec(), shares=False)
     rule = algorithms.get(algo["name"]).from_config(algo)  # a plug-in is imported here, on the server's host
-    settings = server_settings(config, workers, str(device))
     population = run_dir / POPULATION_FILE
-    if population.exists():  # the trace files' sha256, for the start event
-        settings.traces = json.loads(population.read_text())["traces"]
+    # the trace files' sha256, for the start event
+    settings = own.engine_settings(workers, str(device),
+                                   json.loads(population.read_text())["traces"] if population.exists() else None)
     runlog = RunLog(run_dir)
     tensorboard = None
-    if config["run"]["tensorboard"]:
+    if own.tensorboard:
         from fedemu.server.tensorboard import TensorBoardLog
 
         tensorboard = TensorBoardLog(run_dir, (run_dir / "config.toml").read_text())
         runlog.listeners.append(tensorboard.on_event)
-    model = model_spec(config)
+    model = own.model_spec()
     if not rule.synchronous:
         engine = AsyncEngine(settings, rule, model, run_data, runlog, lr=algo["lr"], lr_decay=algo["lr_decay"],
                              on_deadlock=algo["on_deadlock"], concurrency=Concurrency.from_config(algo))
@@ -173,7 +180,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     machines = run_dir / "machines.json"
     if machines.exists():  # where every client runs is part of the experiment (Nilsson)
         runlog.event("machines", **json.loads(machines.read_text()))
-    node = _node("server", broker, config, keys_file, token_file=token_file)
+    node = _node("server", broker, own.node, keys_file, token_file=token_file)
     result: dict = {}
 
     def serve(proc) -> None:
@@ -218,18 +225,15 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
-    from ..config import compute_model, data_spec, model_spec, straggler_spec
     from fedemu.common.ml import split
     from fedemu.worker.client import host_clients, placement
 
-    config = read_config(run_dir)
-    stragglers = straggler_spec(config)
-    data_cfg = config["data"]
-    _set_torch_threads(config, workers)
-    device = _device(config, f"worker-{index}")
-    run_data, shards = split.run_data(data_spec(config))
-    node = _node(f"worker-{index}", broker, config, keys_file, pool_nice=config["run"]["pool_nice"],
-                 token_file=token_file)
+    own = _settings(run_dir, "worker")
+    stragglers = own.straggler_spec()
+    _set_torch_threads(own.node, workers)
+    device = _device(own.node, f"worker-{index}")
+    run_data, shards = split.run_data(own.data_spec())
+    node = _node(f"worker-{index}", broker, own.node, keys_file, pool_nice=own.pool_nice, token_file=token_file)
     stopped_by: list[int] = []
 
     def stop(signum: int, _frame) -> None:
@@ -241,11 +245,10 @@ def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_f
         # when its node is closed (broker lost, shutdown, a signal).
         signal.signal(sig, stop)
     try:
-        host_clients(node, run_data, shards, placement(data_cfg["clients"], workers)[index],
-                     model_spec(config), startup_timeout=config["run"]["startup_timeout_s"],
-                     stragglers=stragglers, compute=compute_model(config, run_dir),
-                     restarts=config["run"]["restart_clients"], device=device,
-                     cohorts=config["run"]["cohort"] == "auto")
+        host_clients(node, run_data, shards, placement(own.clients, workers)[index],
+                     own.model_spec(), startup_timeout=own.startup_timeout_s,
+                     stragglers=stragglers, compute=own.compute_model(run_dir),
+                     restarts=own.restart_clients, device=device, cohorts=own.cohorts)
     except (NodeError, TimeoutError):
         if not node.closed.is_set():
             raise

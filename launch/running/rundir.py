@@ -54,7 +54,8 @@ def write_run_file(path: Path, text: str) -> None:
 
 
 def write_run_config(config: dict, run_dir: Path) -> None:
-    """The files every run directory starts with: the resolved config.toml, and with
+    """The files every run directory starts with: the resolved config.toml, settings.json
+    (each node process's settings, which the nodes read instead of the config), and with
     traces or device classes, population.json (the trace files' sha256 and each
     client's device speed: worker nodes read their speeds there)."""
     import json
@@ -62,6 +63,11 @@ def write_run_config(config: dict, run_dir: Path) -> None:
     from .. import config as configuration
 
     write_run_file(run_dir / "config.toml", configuration.to_toml(config))
+    try:
+        settings = configuration.process_settings_json(config)
+    except configuration.ConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    write_run_file(run_dir / configuration.PROCESS_SETTINGS_FILE, settings)
     try:
         population = configuration.population_record(config)
     except configuration.ConfigError as exc:  # a trace file changed since the config was checked
