@@ -34,7 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(("ConfigError", "SCHEMA", "NESTED_SECTIONS", "MAX_SECONDS", "is_device_setting",
                      "ineffective_keys"), "schema"),
     **dict.fromkeys(("DEFAULT_CONFIG_FILE", "default", "load", "apply_override", "absolute_trace_paths",
-                     "to_toml"), "loading"),
+                     "to_toml", "toml_value"), "loading"),
     **dict.fromkeys(("validate", "findings"), "validation"),
     **dict.fromkeys(("data_spec", "model_spec", "network_parts", "straggler_spec", "compute_model",
                      "compression_spec", "server_settings", "broker_network_file", "population_record",
@@ -44,7 +44,8 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .loading import DEFAULT_CONFIG_FILE, absolute_trace_paths, apply_override, default, load, to_toml
+    from .loading import (DEFAULT_CONFIG_FILE, absolute_trace_paths, apply_override, default, load, to_toml,
+                          toml_value)
     from .schema import MAX_SECONDS, NESTED_SECTIONS, SCHEMA, ConfigError, ineffective_keys, is_device_setting
     from .settings import (NODE_EXIT_WAIT_S, POPULATION_FILE, PROCESS_SETTINGS_FILE, broker_network_file,
                            compression_spec, compute_model, data_spec, model_spec, network_parts,

@@ -107,7 +107,7 @@ def to_toml(config: dict[str, dict[str, Any]]) -> str:
         scalars = {k: v for k, v in values.items() if not _is_table(v) and not _is_table_array(v)}
         if scalars or not values:
             lines.append(f"[{path}]")
-            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items())
+            lines.extend(f"{_toml_key(k)} = {toml_value(v)}" for k, v in scalars.items())
             lines.append("")
         for k, v in values.items():
             if _is_table(v):
@@ -115,7 +115,7 @@ def to_toml(config: dict[str, dict[str, Any]]) -> str:
             elif _is_table_array(v):
                 for item in v:
                     lines.append(f"[[{path}.{_toml_key(k)}]]")
-                    lines.extend(f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items())
+                    lines.extend(f"{_toml_key(ik)} = {toml_value(iv)}" for ik, iv in item.items())
                     lines.append("")
 
     for section, values in config.items():
@@ -132,10 +132,11 @@ def _is_table_array(v: Any) -> bool:
 
 
 def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
+    return key if key.replace("_", "").replace("-", "").isalnum() else toml_value(key)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One value as TOML writes it (a sweep's axis value becomes a --set override so)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -143,7 +144,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table inside an array
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

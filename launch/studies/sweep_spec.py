@@ -83,7 +83,7 @@ def set_key(config: dict, key: str, value: Any, where: str) -> None:
     if key == "run.out":
         raise SweepError(f"{where}: {key} is chosen by the sweep (runs/<point>), not an axis or base key")
     try:
-        configuration.apply_override(config, f"{key}={configuration._toml_value(value)}")
+        configuration.apply_override(config, f"{key}={configuration.toml_value(value)}")
     except (configuration.ConfigError, TypeError) as exc:
         raise SweepError(f"{where}: {exc}") from None
 
