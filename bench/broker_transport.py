@@ -39,8 +39,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from broker_throughput import Relay, load_average, trial  # noqa: E402
 
-from fedemu.launch import launcher  # noqa: E402
-from fedemu.launch.local import LocalRun  # noqa: E402
+from fedemu.launch.running import launcher  # noqa: E402
+from fedemu.launch.running.local import LocalRun  # noqa: E402
 from fedemu.node.security import RunKeys, new_token, private_ipc_endpoint, save_private  # noqa: E402
 
 VARIANTS = ("tcp", "ipc+token", "tcp+curve+token", "ipc+curve+token")

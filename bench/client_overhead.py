@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from fedemu.launch.lifecycle import retain_freed_memory
+from fedemu.launch.running.lifecycle import retain_freed_memory
 from fedemu.common.ml import models, training
 from fedemu.common.ml.datasets import get as dataset_named
 from fedemu.common.ml.exact_sum import ExactSum

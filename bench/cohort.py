@@ -174,7 +174,7 @@ def engine(repeats: int) -> list[dict]:
     import numpy as np
     import torch
 
-    from fedemu.launch.lifecycle import retain_freed_memory
+    from fedemu.launch.running.lifecycle import retain_freed_memory
     from fedemu.common.ml import cohort, models, training
     from fedemu.common.ml.datasets import get
     from fedemu.common.ml.models import ModelSpec

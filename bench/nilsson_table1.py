@@ -176,7 +176,7 @@ def _common(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], list[st
     split that has the most of them, cut to complete repetitions (a second repetition
     under way would otherwise pass for a 2 x 3-fold design where 5 + 1 runs are); and
     the pairs left out for that."""
-    from fedemu.launch.compare import complete_repetitions
+    from fedemu.launch.studies.compare import complete_repetitions
 
     names = [set(map(_key, records)) for records in runs.values()]
     common = set.intersection(*names) if names else set()
@@ -224,7 +224,7 @@ def _curve(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def report(out: Path, metric: str, theirs: Path | None = None, records: Path = RECORDS) -> str:
-    from fedemu.launch import compare
+    from fedemu.launch.studies import compare
 
     found = load_records(out, records)
     lines = [f"# Nilsson et al. 2018, Table 1, in fedemu ({out} and {records})", ""]
@@ -326,7 +326,7 @@ def _band(ax, curves, color, label, dashed=False) -> None:
 
 
 def _plot(out: Path, found: dict[str, dict[str, dict]], theirs: Path | None = None) -> None:
-    from fedemu.launch.report_figures import pyplot
+    from fedemu.launch.studies.report_figures import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.4), layout="constrained")

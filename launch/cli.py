@@ -10,8 +10,8 @@ import click
 
 # Light on purpose (the config, numpy, zmq and torch are imported by the commands that use
 # them): a launcher stopped while it starts up must already have its signal handlers.
-from .host_options import machine_options
-from .lifecycle import Interrupted, exit_code_for, raise_on_stop_signals, signal_named, stop_signal_received
+from .running.host_options import machine_options
+from .running.lifecycle import Interrupted, exit_code_for, raise_on_stop_signals, signal_named, stop_signal_received
 
 # Commands that are processes of a run, or serve one, and handle stop signals their own way.
 _OWN_SIGNAL_HANDLING = ("node", "broker", "host-agent", "sweep-task", "preflight")
@@ -66,9 +66,9 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     from fedemu.common.ml.data import DatasetError
 
     from . import config as configuration
-    from .launcher import launch as run_local
-    from .rundir import LaunchError
-    from .slurm import Allocation
+    from .running.launcher import launch as run_local
+    from .running.rundir import LaunchError
+    from .running.slurm import Allocation
 
     if workers is not None and isinstance(machines, Allocation):
         raise click.UsageError("with --slurm the allocation's tasks are the worker nodes: ask Slurm for them "
@@ -244,8 +244,8 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
            max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None,
            token_file: Path | None, controllers: tuple[str, ...]) -> None:
     """Run the message broker that every node connects to."""
-    from .lifecycle import die_with_parent, retain_freed_memory
-    from .nodes import run_broker, setup_logging
+    from .running.lifecycle import die_with_parent, retain_freed_memory
+    from .running.nodes import run_broker, setup_logging
 
     die_with_parent()  # a launcher killed outright takes its broker with it
     retain_freed_memory()
@@ -269,8 +269,8 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
          token_file: Path | None, log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
-    from .lifecycle import die_with_parent, retain_freed_memory
-    from .nodes import run_server_node, run_worker_node, setup_logging
+    from .running.lifecycle import die_with_parent, retain_freed_memory
+    from .running.nodes import run_server_node, run_worker_node, setup_logging
 
     die_with_parent()  # a launcher (or host agent) killed outright takes its nodes with it
     retain_freed_memory()
@@ -292,7 +292,7 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
               model: str | None, slurm_task: bool, device: str | None) -> None:
     """Check this host for a multi-machine run; print one JSON line (run over SSH or srun)."""
-    from .agent import preflight as check_host
+    from .running.agent import preflight as check_host
 
     click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model, slurm_task, device)))
 
@@ -302,15 +302,15 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
 def host_agent(slurm_task: bool) -> None:
     """Start and supervise this host's worker nodes (run over SSH by `fedemu launch
     --machines`, or as srun tasks by `fedemu launch --slurm`)."""
-    from .agent import run_agent
+    from .running.agent import run_agent
 
     sys.exit(run_agent(slurm_task))
 
 
 # The study commands (issue 7) live in study_cli.py.
-from .study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep, sweep_task as _sweep_task  # noqa: E402
+from .studies.study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep, sweep_task as _sweep_task  # noqa: E402
 
-from .traces_cli import traces as _traces  # noqa: E402
+from .studies.traces_cli import traces as _traces  # noqa: E402
 
 main.add_command(_sweep)
 main.add_command(_sweep_task)

@@ -106,7 +106,7 @@ CONTROLLER_OPS = frozenset({"shutdown", "round", "set_links", "clock_start"})
 QUIET_OPS = frozenset({"hb", "idle", "hello", "bye"})
 
 # Liveness, unless a run says otherwise (a node heartbeats every interval; silence past
-# the timeout is a loss): the defaults of both ends, and of launch/default.toml's run
+# the timeout is a loss): the defaults of both ends, and of launch/config/default.toml's run
 # section (tests/test_config.py checks they agree).
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 5.0

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats
 
-from fedemu.launch import compare
+from fedemu.launch.studies import compare
 from fedemu.launch.cli import main
 from tests.test_report import make_run
 
@@ -109,8 +109,8 @@ def test_a_run_recorded_before_a_key_existed_pairs_with_one_that_has_its_default
     config lacks the key): it ran at the default, so the runs pair."""
     import tomllib
 
-    from fedemu.launch import compare
-    from fedemu.launch.results import load_run
+    from fedemu.launch.studies import compare
+    from fedemu.launch.studies.results import load_run
 
     runs = []
     for fold in range(3):
@@ -128,8 +128,8 @@ def test_a_run_recorded_before_a_key_existed_pairs_with_one_that_has_its_default
 def test_runs_that_differ_only_where_it_cannot_matter_still_pair(tmp_path):
     """An IID run's shard order and another algorithm's option do not change the run:
     such runs pair; a difference that matters (the learning rate) is still refused."""
-    from fedemu.launch import compare
-    from fedemu.launch.results import load_run
+    from fedemu.launch.studies import compare
+    from fedemu.launch.studies.results import load_run
 
     def runs(vary: dict) -> list:
         out = []
@@ -219,8 +219,8 @@ BANDWIDTH = "network.profiles.mobile.up.bandwidth"
 
 @pytest.fixture(scope="module")
 def links_sweep(tmp_path_factory):
-    from fedemu.launch.sweep import run_sweep
-    from fedemu.launch.sweep_spec import load_spec
+    from fedemu.launch.studies.sweep import run_sweep
+    from fedemu.launch.studies.sweep_spec import load_spec
 
     folder = tmp_path_factory.mktemp("links")
     (folder / "links.toml").write_text(LINKS_SWEEP)

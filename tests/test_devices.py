@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedemu.launch.agent import preflight
+from fedemu.launch.running.agent import preflight
 from fedemu.launch.config import ConfigError, load
 from fedemu.common.ml import models
 from fedemu.common.ml.datasets import get as dataset_named

@@ -282,7 +282,7 @@ def test_a_server_stopped_by_the_signal_before_its_handler_leaves_an_interrupted
     SIGINT it was sent (its handler not installed yet). Its summary says interrupted, as
     the sweep's index does, not "failed ... killed by SIGINT"."""
     from fedemu.launch import config as configuration
-    from fedemu.launch.local import LocalRun
+    from fedemu.launch.running.local import LocalRun
 
     (tmp_path / "logs").mkdir()
     run = LocalRun(configuration.default(), tmp_path, 1, echo=lambda line: None)

@@ -208,3 +208,96 @@ def test_an_algorithms_values_ride_in_its_payload_not_in_the_generic_messages():
         source = (ROOT / path).read_text()
         for name in ("prox_mu", "full_gradient", "b_l", "b_u", "over_active", "uploads_delta="):
             assert name not in source, f"{path} names {name}"
+
+
+# launch/ by job (issue 51): configuration at the bottom, then running runs, then studies of many.
+LAUNCH_RANK = {"config": 0, "running": 1, "studies": 2}
+# What stays at launch/'s top level besides the old paths' shims: the `fedemu` command and the API.
+LAUNCH_TOP = {"launch", "launch.__main__", "launch.cli", "launch.api"}
+
+
+def _shims() -> set[str]:
+    """Old import paths kept for now (common/moved.py): each module is one moved.alias call."""
+    return {m for m, path in modules().items() if "moved.alias(__name__" in path.read_text()}
+
+
+def test_launch_has_a_sub_package_per_job():
+    for job in LAUNCH_RANK:
+        init = ROOT / "launch" / job / "__init__.py"
+        assert init.exists(), f"launch/{job}/ is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"launch/{job}/__init__.py says nothing of what lives there"
+    top = {m for m in modules() if m.startswith("launch") and m.count(".") <= 1} - {f"launch.{j}" for j in LAUNCH_RANK}
+    assert top - _shims() == LAUNCH_TOP
+
+
+def test_nothing_outside_launch_imports_it(graph):
+    """The layers below take typed settings; none reaches back into the launcher."""
+    assert sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets
+                  if not a.startswith("launch") and b.startswith("launch")) == []
+
+
+def test_launch_jobs_import_downwards_only(graph):
+    """config imports nothing of running or studies; running nothing of studies."""
+    def job(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == "launch" and len(parts) > 1 and parts[1] in LAUNCH_RANK else None
+    assert sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets
+                  if job(a) and job(b) and LAUNCH_RANK[job(b)] > LAUNCH_RANK[job(a)]) == []
+
+
+def test_no_module_imports_an_old_path(graph):
+    """The old paths are for users' code: fedemu's own, its tests and benchmarks import the new ones."""
+    shims = _shims()
+    assert shims, "no shim found: the check would see nothing"
+    used = sorted(f"{a} -> {b}" for a, targets in graph[0].items() for b in targets if b in shims)
+    for folder in ("tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "test_moved_paths.py":
+                continue
+            for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names])
+                used += [f"{path.relative_to(ROOT)} -> {n}" for n in names if n.removeprefix("fedemu.") in shims]
+    assert used == []
+
+
+def test_a_node_process_reads_its_settings_without_the_config_code(graph):
+    """The launcher writes each node process's settings (config/settings.py); the nodes
+    read them back without importing the config's loading and validation."""
+    seen, todo = set(), ["launch.running.nodes"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(t for t in graph[0][module] if t.startswith("launch"))
+    assert "launch.config.settings" in seen
+    assert sorted(m for m in seen if m.startswith("launch.config.") and m not in ("launch.config.settings",
+                                                                                "launch.config.schema")) == []
+
+
+def test_no_module_reaches_for_another_modules_private_names():
+    """``module._name`` of a fedemu module imported under a name: what a split can break
+    unseen (the import itself still works)."""
+    mods = modules()
+    found = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        aliases = {}
+        for node in _runtime_imports(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                for a in node.names:
+                    if f"{base}.{a.name}".removeprefix("fedemu.") in mods:
+                        aliases[a.asname or a.name] = f"{base}.{a.name}"
+            else:
+                for a in node.names:
+                    if a.asname and a.name.removeprefix("fedemu.") in mods:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert found == []

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fedemu.launch.hosts import Host, HostError, parse_hostfile, parse_machines, ssh_argv
-from fedemu.launch.machines import assign_workers
+from fedemu.launch.running.hosts import Host, HostError, parse_hostfile, parse_machines, ssh_argv
+from fedemu.launch.running.machines import assign_workers
 from fedemu.server.runlog import read_events
 
 from .conftest import missing_prerequisite, needs
@@ -78,7 +78,7 @@ def test_a_hosts_nodes_split_that_hosts_cores_among_themselves():
     import tomllib
 
     from fedemu.launch import config as configuration
-    from fedemu.launch.agent import host_config
+    from fedemu.launch.running.agent import host_config
 
     config = configuration.load(None, ["run.clock=wall"])
     config["run"]["workers"] = 64  # the run's total, over every host
@@ -93,8 +93,8 @@ def test_a_hosts_nodes_split_that_hosts_cores_among_themselves():
 
 def test_a_local_run_refuses_a_machine_link_entry_before_starting_anything(tmp_path):
     from fedemu.launch import config as configuration
-    from fedemu.launch.local import LocalRun
-    from fedemu.launch.rundir import LaunchError
+    from fedemu.launch.running.local import LocalRun
+    from fedemu.launch.running.rundir import LaunchError
 
     config = configuration.load(None)
     config["network"]["assign"] = [{"profile": "lte", "machine": "h2"}]

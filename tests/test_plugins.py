@@ -130,7 +130,7 @@ def test_a_data_set_that_is_not_a_data_set_is_refused(plugin_on_path):
 @pytest.mark.mnist
 def test_the_preflight_names_a_plugin_model_the_host_cannot_build(tmp_path):
     """What each host runs before a --machines launch (over SSH in tests/test_machines.py)."""
-    from fedemu.launch.agent import preflight
+    from fedemu.launch.running.agent import preflight
 
     env = {**os.environ, "PYTHONPATH": ""}
     argv = [sys.executable, "-m", "fedemu.launch", "preflight", "--dataset", "mnist", "--model", MODEL_BY_PATH]
@@ -352,7 +352,7 @@ def test_a_plugin_task_runs_end_to_end_in_real_processes(tmp_path):
 
 
 def test_the_plugin_sweep_expands_to_valid_points(plugin_on_path):
-    from fedemu.launch.sweep_spec import expand, load_spec
+    from fedemu.launch.studies.sweep_spec import expand, load_spec
 
     points = expand(load_spec(PLUGIN / "sweeps" / "scaffold-noniid.toml"))
     assert sorted({p.config["algorithm"]["name"] for p in points}) == ["fedavg", SCAFFOLD]

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fedemu.launch import config as configuration
-from fedemu.launch import results
+from fedemu.launch.studies import results
 from fedemu.launch.cli import main
 
 
@@ -169,7 +169,7 @@ def test_figures_for_straggler_and_dropout_studies(tmp_path):
     """Loss, each round's duration and participation by outcome are drawn when the log has
     them; a sweep's repetitions become a mean and a band; labels name only what differs
     (a key one run lacks is not "None"); round axes have whole ticks."""
-    from fedemu.launch.report_figures import run_labels, spread
+    from fedemu.launch.studies.report_figures import run_labels, spread
 
     runs = []
     for i, (sets, offline) in enumerate((({}, 0), ({"network.dropout": {"per_round": 0.3}}, 3))):

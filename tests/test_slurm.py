@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from fedemu.launch.cli import main
-from fedemu.launch.slurm import Allocation, NotInAllocation, hostnames, tasks_per_node
-from fedemu.launch.sweep_index import DB_FILE
+from fedemu.launch.running.slurm import Allocation, NotInAllocation, hostnames, tasks_per_node
+from fedemu.launch.studies.sweep_index import DB_FILE
 from fedemu.server.runlog import read_events
 
 from .conftest import missing_prerequisite, needs

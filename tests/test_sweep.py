@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fedemu.launch import sweep
+from fedemu.launch.studies import sweep
 from fedemu.launch.cli import main
-from fedemu.launch.sweep_layout import plan
-from fedemu.launch.sweep_point import alive
-from fedemu.launch.sweep_spec import SweepError, expand, load_spec
+from fedemu.launch.studies.sweep_layout import plan
+from fedemu.launch.studies.sweep_point import alive
+from fedemu.launch.studies.sweep_spec import SweepError, expand, load_spec
 from tests.test_report import make_run
 
 SWEEP = """
@@ -292,8 +292,8 @@ def test_the_index_answers_plain_sql(tmp_path):
 
 
 def test_with_machines_concurrent_points_get_disjoint_groups_of_hosts(tmp_path):
-    from fedemu.launch.hosts import Host
-    from fedemu.launch.machines import Machines
+    from fedemu.launch.running.hosts import Host
+    from fedemu.launch.running.machines import Machines
 
     spec = load_spec(write(tmp_path / "s.toml", SWEEP), tmp_path / "sw")
     a, b, c = Host("a"), Host("b"), Host("c", slots=4)
@@ -309,8 +309,8 @@ def test_with_machines_concurrent_points_get_disjoint_groups_of_hosts(tmp_path):
 
 
 def test_a_machines_sweep_hands_each_running_point_a_free_host_group(tmp_path):
-    from fedemu.launch.hosts import Host
-    from fedemu.launch.machines import Machines
+    from fedemu.launch.running.hosts import Host
+    from fedemu.launch.running.machines import Machines
 
     held: dict[str, list] = {}
     overlaps: list[tuple] = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedemu.launch.report_timeline import chrome_trace, plot_gantt
+from fedemu.launch.studies.report_timeline import chrome_trace, plot_gantt
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.server.timeline import DOWN, UP, Timeline
 

@@ -366,7 +366,7 @@ def test_convert_refuses_an_unsafe_pickle_naming_it_and_writes_nothing(tmp_path)
 
 
 def test_a_trace_file_and_its_mapping_are_sweep_axes(tmp_path, monkeypatch):
-    from fedemu.launch.sweep_spec import expand, load_spec
+    from fedemu.launch.studies.sweep_spec import expand, load_spec
 
     monkeypatch.chdir(tmp_path)  # trace files are named from the current directory, as in a launch
     fedscale_devices(tmp_path / "slow", {0: {"computation": 90.0, "communication": 10.0}})

@@ -89,7 +89,7 @@ def record(cell: str, fold: int) -> dict:
 
 
 def main() -> None:
-    from fedemu.launch.compare import test
+    from fedemu.launch.studies.compare import test
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedemu.launch.results import time_to_target
+from fedemu.launch.studies.results import time_to_target
 
 
 def mnist_cache() -> Path:
