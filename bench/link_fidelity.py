@@ -88,7 +88,7 @@ import zmq
 
 from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Behaviour, Broker, Node
-from fedemu.node.net.links import NetworkSpec
+from fedemu.node.net.network_spec import NetworkSpec
 from fedemu.node.wire import USER, encode, link_size
 
 RX_NAME = "bench/rx"

@@ -20,7 +20,9 @@ import math
 import random
 import time
 
-from fedemu.node.net.links import DOWN, UP, LinkProfile, Network
+from fedemu.node.net.links import Network
+
+from fedemu.node.net.profiles import DOWN, UP, LinkProfile
 from fedemu.node.net.tcp import TcpTransport
 
 SIZE = 797_015

@@ -51,7 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from fedemu.node.net import tcp
-from fedemu.node.net.links import UP, LinkProfile, Network
+from fedemu.node.net.links import Network
+from fedemu.node.net.profiles import UP, LinkProfile
 
 HERE = Path(__file__).resolve().parent
 

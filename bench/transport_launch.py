@@ -51,7 +51,9 @@ sys.path.insert(0, str(HERE))
 import transport_fidelity as fidelity  # noqa: E402  (ns-3's program, its cache and runner)
 
 from fedemu.node.net import tcp  # noqa: E402
-from fedemu.node.net.links import DOWN, UP, LinkProfile, Network, NetworkSpec  # noqa: E402
+from fedemu.node.net.links import Network  # noqa: E402
+from fedemu.node.net.network_spec import NetworkSpec  # noqa: E402
+from fedemu.node.net.profiles import DOWN, UP, LinkProfile  # noqa: E402
 
 # Rows of transport_fidelity.py's grid, as network overrides of a run (issue 42's table).
 ROWS = {

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedemu.node import Node, Pid, wire  # noqa: E402
-from fedemu.node.net.links import NetworkSpec  # noqa: E402
+from fedemu.node.net.network_spec import NetworkSpec  # noqa: E402
 from fedemu.node.wire import USER  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from fedemu.node import streams
-from fedemu.node.net.links import LinkConfigError, parse_ids
+from fedemu.node.net.availability import parse_ids
+from fedemu.node.net.profiles import LinkConfigError
 
 DISTRIBUTIONS = ("none", "fixed", "lognormal", "pareto", "classes")
 

@@ -34,8 +34,8 @@ from fedemu.server.runlog import EVENTS, SUMMARY
 
 from . import config as configuration
 from .config import ConfigError
-from .studies.results import evaluation_records
 from .running.rundir import new_run_dir
+from .studies.results import evaluation_records
 
 __all__ = ["ConfigError", "Run", "history", "launch", "resolve", "start"]  # ConfigError: what a bad config raises
 
@@ -130,6 +130,7 @@ def launch(config: dict | None = None, *, file: str | Path | None = None, overri
            out: str | Path | None = None, workers: int | None = None, quiet: bool = False) -> tuple[Path, dict]:
     """Run to the end in this process, as ``fedemu launch``: (run directory, summary).
     Ctrl-C, SIGTERM and SIGHUP stop it in order; call it from the main thread."""
+    # lazy: reading runs, this module's common use, needs none of the running code
     from .running.launcher import launch as run_here
 
     return run_here(str(file) if file is not None else None, list(overrides), None if out is None else str(out),

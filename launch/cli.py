@@ -1,6 +1,7 @@
 """The ``fedemu`` command."""
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import sys
@@ -63,6 +64,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     """Run CONFIG_FILE (default: MNIST, 2NN, FedAvg, 100 clients) on this machine, or
     with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
     Slurm allocation (--slurm)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from fedemu.common.ml.data import DatasetError
 
     from . import config as configuration
@@ -92,6 +94,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
     """Validate a config without running it; print the resolved config."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from . import config as configuration
 
     try:
@@ -108,8 +111,7 @@ def _as_it_runs(config: dict) -> dict:
     """The resolved config as this run uses it: without the options of other algorithms
     (a config may carry them, for a sweep over algorithm.name) and with the network's
     default profile said, not left implicit."""
-    import copy
-
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from . import config as configuration
 
     shown = copy.deepcopy(config)
@@ -117,6 +119,7 @@ def _as_it_runs(config: dict) -> dict:
         section, _, name = key.partition(".")
         if section == "algorithm":
             shown["algorithm"].pop(name, None)
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common import algorithms
     try:
         synchronous = algorithms.get(config["algorithm"]["name"]).synchronous
@@ -140,6 +143,7 @@ ROUNDS_ONLY = ("lr_round_decay", "deadline_s", "quorum", "on_quorum_missed", "ov
 def algorithms(name: str | None) -> None:
     """List the algorithms (built-in, and those installed packages bring; or NAME, a
     plug-in too) with their own algorithm.* options and defaults."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common import algorithms
     try:
         if name:
@@ -171,6 +175,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
     """Fetch data set NAME (fedemu data list shows them; a plug-in by its entry point or
     package.module:Class), verify it, and cache a converted copy. A cached copy is
     checked (sizes and sha256 recorded when it was made) and fetched again if damaged."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from fedemu.common.ml import data as datasets
 
     try:
@@ -186,6 +191,7 @@ def data_fetch(name: str, cache_dir: str | None, force: bool) -> None:
 def data_list(cache_dir: str | None, as_json: bool) -> None:
     """List the data sets fedemu has and installed plug-ins bring: what each is, and
     whether it is cached."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from fedemu.common.ml import data as datasets
 
     for entry in datasets.list_datasets(cache_dir):
@@ -207,7 +213,9 @@ def data_list(cache_dir: str | None, as_json: bool) -> None:
 def data_stats(config_file: str | None, overrides: tuple[str, ...], shown: int, as_json: bool) -> None:
     """How a run's config splits its data over the clients: examples and labels per client,
     exactly as the worker nodes will cut it (same seed, same partition)."""
-    from fedemu.common.ml import datasets as registry, split
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
+    from fedemu.common.ml import datasets as registry
+    from fedemu.common.ml import split
 
     from . import config as configuration
 
@@ -244,6 +252,7 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
            max_message_bytes: int, log_dir: Path | None, network_file: Path | None, keys_file: Path | None,
            token_file: Path | None, controllers: tuple[str, ...]) -> None:
     """Run the message broker that every node connects to."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.lifecycle import die_with_parent, retain_freed_memory
     from .running.nodes import run_broker, setup_logging
 
@@ -269,6 +278,7 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
 def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, keys_file: Path | None,
          token_file: Path | None, log_stream: bool) -> None:
     """Run one node of a run (started by `fedemu launch`)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.lifecycle import die_with_parent, retain_freed_memory
     from .running.nodes import run_server_node, run_worker_node, setup_logging
 
@@ -292,6 +302,7 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
 def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, broker_address: str | None,
               model: str | None, slurm_task: bool, device: str | None) -> None:
     """Check this host for a multi-machine run; print one JSON line (run over SSH or srun)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.agent import preflight as check_host
 
     click.echo(json.dumps(check_host(dataset, cache_dir, broker_port, broker_address, model, slurm_task, device)))
@@ -302,14 +313,18 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
 def host_agent(slurm_task: bool) -> None:
     """Start and supervise this host's worker nodes (run over SSH by `fedemu launch
     --machines`, or as srun tasks by `fedemu launch --slurm`)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.agent import run_agent
 
     sys.exit(run_agent(slurm_task))
 
 
 # The study commands (issue 7) live in study_cli.py.
-from .studies.study_cli import compare as _compare, export as _export, report as _report, sweep as _sweep, sweep_task as _sweep_task  # noqa: E402
-
+from .studies.study_cli import compare as _compare  # noqa: E402
+from .studies.study_cli import export as _export
+from .studies.study_cli import report as _report
+from .studies.study_cli import sweep as _sweep
+from .studies.study_cli import sweep_task as _sweep_task
 from .studies.traces_cli import traces as _traces  # noqa: E402
 
 main.add_command(_sweep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from fedemu.node.net.emulator import PENDING, LinkEmulator
-from fedemu.node.net.links import NetworkSpec
+from fedemu.node.net.network_spec import NetworkSpec
 
 
 def model_arrivals(network: dict, num_clients: int, seed: int,

@@ -426,7 +426,7 @@ def test_a_clients_node_hears_when_its_device_goes_offline_and_back(procs):
 def test_a_clients_node_hears_of_its_per_round_drop_outs_at_each_round(procs):
     """Per-round drop-outs are decided when the server announces a round: the client's
     node must hear of each change then, matching the seeded decisions."""
-    from fedemu.node.net.links import NetworkSpec
+    from fedemu.node.net.network_spec import NetworkSpec
 
     network = {"dropout": {"per_round": 0.5, "clients": "0"}}
     expected_spec = NetworkSpec.from_config(network, num_clients=4, run_seed=1)

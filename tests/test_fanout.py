@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedemu.node import TIMEOUT, Node, Pid, wire
-from fedemu.node.net.links import DOWN
+from fedemu.node.net.profiles import DOWN
 from fedemu.node.wire import MANY, USER, WireError
 
 from .linkmodel import model_arrivals

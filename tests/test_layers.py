@@ -133,9 +133,9 @@ def test_the_runtime_needs_no_torch(graph):
 
 # --- imports that say the structure ---------------------------------------------------------
 
-# Layers whose every import inside a function says why it is there (the rest are checked
-# as they are brought in line).
-REASONED = ("common", "server", "worker")
+# Every layer: an import inside a function says why it is there (start-up time, an optional
+# dependency), and no module uses another's private names.
+REASONED = ("node", "common", "server", "worker", "launch")
 
 
 def _function_imports(tree: ast.Module) -> list[ast.stmt]:
@@ -147,12 +147,13 @@ def _function_imports(tree: ast.Module) -> list[ast.stmt]:
 
 def unreasoned_imports(source: str, name: str) -> list[str]:
     """Function-level imports with no comment on their line or a comment line just above
-    (the first of a run of imports carries it for the run)."""
+    (the first of a run of imports carries it for the run, its groups split by blank lines too)."""
     lines = source.splitlines()
     found = []
     for node in sorted(_function_imports(ast.parse(source, name)), key=lambda n: n.lineno):
         i = node.lineno - 1
-        while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")):
+        while i > 0 and (lines[i - 1].strip().startswith(("import ", "from "))
+                         or (not lines[i - 1].strip() and i > 1 and lines[i - 2].strip().startswith(("import ", "from ")))):
             i -= 1  # up to the first of the run
         if "#" not in lines[node.lineno - 1] and not (i > 0 and lines[i - 1].strip().startswith("#")):
             found.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
@@ -180,8 +181,9 @@ def private_imports(source: str, name: str) -> list[str]:
 
 def test_the_import_checks_see_what_they_look_for():
     source = ("def f():\n    import torch\n\ndef g():\n    # torch: start-up time\n    import torch\n"
-              "    import numpy\n\ndef h():\n    import json  # stdlib\n")
-    assert unreasoned_imports(source, "m.py") == ["m.py:2: import torch"]
+              "    import numpy\n\n    from . import models\n\ndef h():\n    import json  # stdlib\n"
+              "\n    x = 1\n\n    import zmq\n")
+    assert unreasoned_imports(source, "m.py") == ["m.py:16: import zmq", "m.py:2: import torch"]
     source = "from fedemu.x import _hidden, shown\nfrom . import models\nmodels._BUILDERS\nmodels.build\n"
     assert private_imports(source, "m.py") == ["m.py:1: imports _hidden", "m.py:3: uses models._BUILDERS"]
 

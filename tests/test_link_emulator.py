@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from fedemu.node import Broker, Pid, wire
-from fedemu.node.net.links import DOWN, UP, NetworkSpec
+from fedemu.node.net.network_spec import NetworkSpec
+from fedemu.node.net.profiles import DOWN, UP
 from fedemu.node.wire import USER
 
 LATENCY_S = 0.2

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from fedemu.node.net.links import (
-    DOWN, UP, Availability, LinkConfigError, LinkProfile, Network, jitter_sample, parse_bandwidth, uniform,
-)
+from fedemu.node.net.availability import Availability
+from fedemu.node.net.links import Network, uniform
+from fedemu.node.net.profiles import DOWN, UP, LinkConfigError, LinkProfile, jitter_sample, parse_bandwidth
 
 
 def net(**profile) -> Network:
@@ -225,7 +225,7 @@ def test_profile_validation_names_the_key():
 
 
 def test_machine_entries_resolve_to_each_hosts_clients_in_config_order():
-    from fedemu.node.net.links import NetworkSpec
+    from fedemu.node.net.network_spec import NetworkSpec
 
     spec = NetworkSpec.from_config({"assign": [
         {"profile": "lte", "machine": "h2"},
@@ -244,7 +244,7 @@ def test_machine_entries_resolve_to_each_hosts_clients_in_config_order():
 
 
 def test_a_machine_entry_stands_alone():
-    from fedemu.node.net.links import NetworkSpec
+    from fedemu.node.net.network_spec import NetworkSpec
 
     with pytest.raises(LinkConfigError, match=r"network.assign\[0\]: machine = 'h2' must name one host"):
         NetworkSpec.from_config({"assign": [{"profile": "lte", "machine": "h2", "clients": "0-9"}]}, 100, 1)
@@ -280,7 +280,7 @@ def test_every_seeded_choice_draws_from_its_own_named_stream():
     window and the first permanent leave pick independent clients (numbered salts
     once made them the same draw), and a group's choice is not uplink k's first
     Gilbert-Elliott or loss draw."""
-    from fedemu.node.net.links import NetworkSpec
+    from fedemu.node.net.network_spec import NetworkSpec
 
     K = 200
     windows = [{"fraction": 0.5, "start_s": 1.0 + i, "end_s": 2.0 + i} for i in range(11)]

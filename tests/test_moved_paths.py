@@ -54,6 +54,15 @@ MOVED = {
     "fedemu.launch.study_cli": ("sweep", "fedemu.launch.studies.study_cli"),
 }
 
+# Names whose module stayed but which moved to a sibling when it was split: (module, name) -> new module
+MOVED_NAMES = {
+    ("fedemu.node.net.links", "NetworkSpec"): "fedemu.node.net.network_spec",
+    ("fedemu.node.net.links", "PRESETS"): "fedemu.node.net.network_spec",
+    ("fedemu.node.net.links", "parse_ids"): "fedemu.node.net.availability",
+    ("fedemu.node.net.links", "LinkConfigError"): "fedemu.node.net.profiles",
+    ("fedemu.node.net.links", "parse_bandwidth"): "fedemu.node.net.profiles",
+}
+
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_path_imports_with_a_warning_and_gives_the_new_objects(old):
@@ -69,6 +78,23 @@ def test_an_old_path_imports_with_a_warning_and_gives_the_new_objects(old):
         f"assert value is getattr(new, {name!r}), 'not the same object'\n"
         "moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
         f"assert any({old!r} in m and 'moved' in m for m in moved), moved\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("old, name", sorted(MOVED_NAMES))
+def test_a_name_moved_out_of_a_split_module_imports_with_a_warning(old, name):
+    new = MOVED_NAMES[old, name]
+    script = (
+        "import importlib, warnings\n"
+        f"old = importlib.import_module({old!r})\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    value = getattr(old, {name!r})\n"
+        f"assert value is getattr(importlib.import_module({new!r}), {name!r}), 'not the same object'\n"
+        "moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]\n"
+        f"assert any({new!r} in m and 'moved' in m for m in moved), moved\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

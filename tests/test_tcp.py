@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from fedemu.node.net.links import DOWN, UP, LinkConfigError, LinkProfile
+from fedemu.node.net.profiles import DOWN, UP, LinkConfigError, LinkProfile
 from fedemu.node.net.tcp import Arrival, Failure, TcpTransport, default_buffer
 
 LTE = dict(transport="tcp", latency_ms=35, bandwidth=12e6 / 8)

@@ -11,7 +11,7 @@ import pytest
 
 from fedemu.node import TIMEOUT, Pid
 from fedemu.node.net.emulator import TRANSFER_FIELDS
-from fedemu.node.net.links import UP
+from fedemu.node.net.profiles import UP
 
 from .linkmodel import model_arrivals
 from .test_fanout import broker_with

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from fedemu.node.net import trace_files
-from fedemu.node.net.links import DOWN, UP, LinkConfigError, LinkProfile, Network, NetworkSpec
+from fedemu.node.net.links import Network
+from fedemu.node.net.network_spec import NetworkSpec
+from fedemu.node.net.profiles import DOWN, UP, LinkConfigError, LinkProfile
 from fedemu.node.net.population import DEVICE_CLASSES, LinkTrace
 from fedemu.node.net.time_of_day import HOUR_S, TimeOfDay
 from fedemu.node.net.traces import RateTrace, StepSeries, TraceError

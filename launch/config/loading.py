@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .schema import NESTED_SECTIONS, SCHEMA, ConfigError, _algorithm_options, _key, _sections
+from .schema import NESTED_SECTIONS, SCHEMA, ConfigError, algorithm_options, key_spec, section_names
 from .validation import validate
 
 
@@ -20,7 +20,7 @@ def default() -> dict[str, dict[str, Any]]:
     every built-in algorithm's options at their defaults."""
     text = resources.files("fedemu.launch.config").joinpath(DEFAULT_CONFIG_FILE).read_text()
     config = tomllib.loads(text)
-    config["algorithm"].update({key: spec.default for key, spec in _algorithm_options(config).items()})
+    config["algorithm"].update({key: spec.default for key, spec in algorithm_options(config).items()})
     return config
 
 
@@ -63,7 +63,7 @@ def absolute_trace_paths(config: dict) -> None:
 def _merge(config: dict, user: dict, source: str) -> None:
     for section, values in user.items():
         if section not in SCHEMA and section not in NESTED_SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(_sections())}")
+            raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(section_names())}")
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table")
         if section in NESTED_SECTIONS:
@@ -71,7 +71,7 @@ def _merge(config: dict, user: dict, source: str) -> None:
             continue
         # algorithm.name first: a plug-in's options are known once it is
         for key, value in sorted(values.items(), key=lambda item: item[0] != "name"):
-            _key(section, key, config)
+            key_spec(section, key, config)
             config[section][key] = value
 
 
@@ -95,7 +95,7 @@ def apply_override(config: dict, item: str) -> None:
                 raise ConfigError(f"override {item!r}: {section}.{part} is not a table")
         table[last] = value
         return
-    _key(section, key, config)
+    key_spec(section, key, config)
     config[section][key] = value
 
 

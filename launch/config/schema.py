@@ -150,8 +150,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
 NESTED_SECTIONS = ("network", "compression")
 
 
-def _algorithm_class(config: dict):
+def algorithm_class(config: dict):
     """The registered class of algorithm.name; ConfigError if nothing answers to it."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
     try:
@@ -160,39 +161,40 @@ def _algorithm_class(config: dict):
         raise ConfigError(f"algorithm.name: {exc}") from None
 
 
-def _algorithm_options(config: dict) -> dict[str, Key]:
+def algorithm_options(config: dict) -> dict[str, Key]:
     """The algorithm.* keys algorithms own: every built-in's (a sweep over algorithm.name
     carries each one's options), and the chosen plug-in's."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.algorithms.base import all_options
 
     try:
-        chosen = _algorithm_class(config)
+        chosen = algorithm_class(config)
     except ConfigError:  # validate() reports it
         chosen = None
     return all_options(chosen)
 
 
-def _sections() -> list[str]:
+def section_names() -> list[str]:
     return [*SCHEMA, *NESTED_SECTIONS]
 
 
-def _section_keys(section: str, config: dict) -> dict[str, Key]:
+def section_keys(section: str, config: dict) -> dict[str, Key]:
     if section == "algorithm":
-        return {**SCHEMA[section], **_algorithm_options(config)}
+        return {**SCHEMA[section], **algorithm_options(config)}
     return SCHEMA[section]
 
 
-def _key(section: str, key: str, config: dict) -> Key:
+def key_spec(section: str, key: str, config: dict) -> Key:
     if section not in SCHEMA:
-        raise ConfigError(f"unknown section {section!r}; sections are {', '.join(_sections())}")
-    keys = _section_keys(section, config)
+        raise ConfigError(f"unknown section {section!r}; sections are {', '.join(section_names())}")
+    keys = section_keys(section, config)
     spec = keys.get(key)
     if spec is None:
         raise ConfigError(f"unknown key {section}.{key}; [{section}] has {', '.join(keys)}")
     return spec
 
 
-def _type_name(t: type | tuple) -> str:
+def type_name(t: type | tuple) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
     if isinstance(t, tuple):
         return " or ".join(names.get(x, x.__name__) for x in t)
@@ -203,6 +205,7 @@ def ineffective_keys(config: dict) -> set[str]:
     """Keys (``section.key``) whose value cannot change this run: the options of algorithms
     other than the one it runs, and the shard keys of an IID partition. Two runs that
     differ only in these ran the same condition."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.algorithms.base import UnknownAlgorithm, all_options, get
 
     try:

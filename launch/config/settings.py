@@ -5,16 +5,23 @@ file. It reads a resolved (validated) config and checks nothing but what the typ
 check themselves."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from fedemu.common.ml import datasets, models
+from fedemu.common.ml.compression import CompressionSpec
+from fedemu.common.ml.split import DataSpec
+from fedemu.common.stragglers import stragglers_from_config
+from fedemu.node.net.network_spec import NetworkSpec
+from fedemu.node.net.profiles import LinkConfigError
 
 from .schema import ConfigError
 
 
 def data_spec(config: dict):
     """The run's data (split.DataSpec): the [data] section and run.seed."""
-    from fedemu.common.ml.split import DataSpec
-
     d = config["data"]
     return DataSpec(dataset=d["dataset"], partition=d["partition"], clients=d["clients"], seed=config["run"]["seed"],
                     shards_per_client=d["shards_per_client"], shard_order=d["shard_order"],
@@ -25,8 +32,6 @@ def data_spec(config: dict):
 
 def model_spec(config: dict):
     """The run's model (models.ModelSpec): model.name built for data.dataset."""
-    from fedemu.common.ml import datasets, models
-
     model = config["model"]
     return models.ModelSpec(model["name"], datasets.get(config["data"]["dataset"]), model["init"], model["init_std"])
 
@@ -34,8 +39,6 @@ def model_spec(config: dict):
 def network_parts(config: dict):
     """(NetworkSpec for the broker, StragglerSpec for the workers) of a config; a bad
     value raises ConfigError naming the key. Reads the config's trace files."""
-    from fedemu.node.net.links import LinkConfigError, NetworkSpec
-
     section = dict(config.get("network", {}))
     section.pop("stragglers", None)
     K, seed = config["data"]["clients"], config["run"]["seed"]
@@ -48,9 +51,6 @@ def network_parts(config: dict):
 def straggler_spec(config: dict):
     """network.stragglers alone (what a worker node needs: it may run where the trace
     files are not)."""
-    from fedemu.node.net.links import LinkConfigError
-    from fedemu.common.stragglers import stragglers_from_config
-
     try:
         return stragglers_from_config(config.get("network", {}).get("stragglers", {}), config["data"]["clients"],
                                       config["run"]["seed"])
@@ -77,8 +77,7 @@ def population_record(config: dict) -> dict | None:
 def compute_model(config: dict, run_dir: Path | None = None):
     """How the run's clients are charged for their local work (common.ml.devices): each
     client's own device speed from the run directory's population.json, if it has one."""
-    import json
-
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.ml.devices import ComputeModel
 
     run = config["run"]
@@ -91,8 +90,6 @@ def compute_model(config: dict, run_dir: Path | None = None):
 
 def compression_spec(config: dict):
     """The [compression] section as a CompressionSpec; errors name the key."""
-    from fedemu.common.ml.compression import CompressionSpec
-
     try:
         return CompressionSpec.from_dict(config.get("compression", {}), prefix="compression.")
     except ValueError as exc:
@@ -102,6 +99,7 @@ def compression_spec(config: dict):
 def server_settings(config: dict, workers: int, device: str):
     """The server engine's settings (server.engine.Settings) for a resolved config run
     over ``workers`` worker nodes, evaluating on ``device``."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.server.engine import Settings
 
     return Settings(**_engine_fields(config), workers=workers, device=device, stragglers=network_parts(config)[1])
@@ -154,8 +152,6 @@ class ServerNodeSettings:
     tensorboard: bool
 
     def data_spec(self):
-        from fedemu.common.ml.split import DataSpec
-
         return DataSpec(**self.data)
 
     def model_spec(self):
@@ -163,6 +159,7 @@ class ServerNodeSettings:
 
     def engine_settings(self, workers: int, device: str, traces: dict | None = None):
         """server.engine.Settings for a run over ``workers`` worker nodes, evaluating on ``device``."""
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from fedemu.server.engine import Settings
 
         return Settings(**self.engine, workers=workers, device=device, stragglers=_stragglers(self.stragglers),
@@ -185,8 +182,6 @@ class WorkerNodeSettings:
     cohorts: bool
 
     def data_spec(self):
-        from fedemu.common.ml.split import DataSpec
-
         return DataSpec(**self.data)
 
     def model_spec(self):
@@ -198,8 +193,7 @@ class WorkerNodeSettings:
     def compute_model(self, run_dir: Path | None = None):
         """devices.ComputeModel, with each client's own device speed from the run
         directory's population.json, if it has one."""
-        import json
-
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from fedemu.common.ml.devices import ComputeModel
 
         speeds = {}
@@ -210,19 +204,16 @@ class WorkerNodeSettings:
 
 
 def _model_spec(model: dict):
-    from fedemu.common.ml import datasets, models
-
     return models.ModelSpec(model["name"], datasets.get(model["dataset"]), model["init"], model["init_std"])
 
 
 def _stragglers(arguments: dict):
-    from fedemu.common.stragglers import stragglers_from_config
-
     return stragglers_from_config(arguments["section"], arguments["clients"], arguments["seed"])
 
 
 def _engine_fields(config: dict) -> dict:
     """server.engine.Settings' fields that the config decides."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common import algorithms
 
     run, algo = config["run"], config["algorithm"]
@@ -244,8 +235,6 @@ def _engine_fields(config: dict) -> dict:
 
 def process_settings(config: dict) -> dict[str, ServerNodeSettings | WorkerNodeSettings]:
     """The resolved config as each kind of node process's settings: {"server": ..., "worker": ...}."""
-    import dataclasses
-
     run, model = config["run"], config["model"]
     node = NodeProcessSettings(heartbeat_interval_s=run["heartbeat_interval_s"],
                                heartbeat_timeout_s=run["heartbeat_timeout_s"], clock=run["clock"],
@@ -271,16 +260,11 @@ def process_settings(config: dict) -> dict[str, ServerNodeSettings | WorkerNodeS
 
 def process_settings_json(config: dict) -> str:
     """What the run directory's settings.json holds."""
-    import dataclasses
-    import json
-
     return json.dumps({kind: dataclasses.asdict(s) for kind, s in process_settings(config).items()}, indent=1)
 
 
 def read_process_settings(run_dir: Path, kind: str) -> ServerNodeSettings | WorkerNodeSettings:
     """A node process's settings (``kind``: "server" or "worker"), from its run directory."""
-    import json
-
     record = json.loads((run_dir / PROCESS_SETTINGS_FILE).read_text())[kind]
     node = NodeProcessSettings(**record.pop("node"))
     return (ServerNodeSettings if kind == "server" else WorkerNodeSettings)(node=node, **record)

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import math
 
+from fedemu.common.ml import kfold
 from fedemu.node.schema import INT64
 
-from .schema import SCHEMA, ConfigError, _algorithm_class, _algorithm_options, _section_keys, _type_name
+from .schema import SCHEMA, ConfigError, algorithm_class, algorithm_options, section_keys, type_name
 from .settings import compression_spec, network_parts
 
 
 def validate(config: dict) -> None:
     if not isinstance(config.get("algorithm", {}).get("name"), str):
         raise ConfigError(f"algorithm.name = {config.get('algorithm', {}).get('name')!r} must be a string")
-    algorithm = _algorithm_class(config)
-    options = _algorithm_options(config)
+    algorithm = algorithm_class(config)
+    options = algorithm_options(config)
     for key, spec in options.items():  # a plug-in's options, say, that default() did not know
         config["algorithm"].setdefault(key, spec.default)
     for section in SCHEMA:
         values = config.get(section, {})
-        for key, spec in _section_keys(section, config).items():
+        for key, spec in section_keys(section, config).items():
             if key not in values:
                 raise ConfigError(f"{section}.{key} is missing")
             value = values[key]
@@ -32,7 +33,7 @@ def validate(config: dict) -> None:
                     raise ConfigError(f"{name} = {value!r} must be finite") from None
             # bool is an int subclass in Python: only a bool key takes true/false.
             if isinstance(value, bool) != (spec.type is bool) or not isinstance(value, spec.type):
-                raise ConfigError(f"{name} = {value!r} must be {_type_name(spec.type)}")
+                raise ConfigError(f"{name} = {value!r} must be {type_name(spec.type)}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name} = {value!r} must be finite")
             if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
@@ -59,12 +60,14 @@ def validate(config: dict) -> None:
     if refusal:
         raise ConfigError(refusal)
     compression = compression_spec(config)
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.algorithms.base import aggregation_problem
 
     refusal = aggregation_problem(config["run"]["aggregation"], algorithm, compression.compresses)
     if refusal:
         raise ConfigError(refusal)
     if compression.compresses and algorithm.uploads:
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from fedemu.common.algorithms.base import built_in
 
         compressible = [name for name, cls in built_in().items() if not cls.uploads]
@@ -72,8 +75,6 @@ def validate(config: dict) -> None:
             f"[compression] applies to model updates (algorithm.name = {', '.join(compressible)}: each sends "
             f"the delta from the model it trained from); algorithm.name = {config['algorithm']['name']!r} "
             f"uploads {algorithm.uploads}, which the update codecs do not encode")
-    from fedemu.common.ml import kfold
-
     try:
         kfold.check(config)
     except ValueError as exc:
@@ -121,6 +122,7 @@ def _check_model(name: str, dataset: str) -> None:
 
 def findings(config: dict) -> list:
     """The static deadlock and liveness findings for a config (server.checks)."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.server.checks import check
 
     network, _ = network_parts(config)

@@ -14,6 +14,7 @@ outlives the run. Its stdout streams the nodes' output back, one line per record
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -23,11 +24,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import tomllib
 import time
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, child_env
 from .slurm_task import launch_address, task_identity
 
@@ -44,8 +46,6 @@ def fedemu_version() -> str:
 def code_digest() -> str:
     """A digest of fedemu's source, so two installs of one version number but different
     code (an edited checkout) are caught before they exchange messages."""
-    import importlib
-
     digest = hashlib.sha256()
     for package in PACKAGES:
         folder = Path(importlib.import_module(package).__file__).parent
@@ -80,6 +80,7 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
     if slurm_task:  # one report per node of the step: say which
         report["node"] = task_identity()[1]
     try:
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         import torch
 
         report["torch"] = torch.__version__
@@ -91,6 +92,7 @@ def preflight(dataset: str, cache_dir: str | None, broker_port: int | None, brok
         import numba  # noqa: F401
     except Exception as exc:  # ImportError, or a mismatched llvmlite or NumPy
         report["problems"].append(f"numba cannot be imported ({exc})")
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.ml import data, datasets, devices, models
 
     if device is not None:  # the worker nodes here train on it
@@ -145,8 +147,6 @@ def host_config(config_toml: str, local_workers: int) -> str:
     """The run's config as this host's nodes read it: torch_threads = 0 means this
     host's cores (this task's, under Slurm) over this host's worker nodes, not over the
     run's total."""
-    from .. import config as configuration
-
     config = tomllib.loads(config_toml)
     if not config["run"]["torch_threads"] and config["run"]["clock"] == "wall":  # virtual time pins it to 1
         config["run"]["torch_threads"] = max(1, usable_cores() // max(1, local_workers))
@@ -179,8 +179,6 @@ class HostAgent:
 
     def start(self) -> None:
         b = self.bundle
-        from .. import config as configuration
-
         (self.run_dir / "config.toml").write_text(host_config(b["config_toml"], len(b["indices"])))
         # What this host's worker nodes read: the launcher's settings, with this host's torch threads.
         (self.run_dir / configuration.PROCESS_SETTINGS_FILE).write_text(

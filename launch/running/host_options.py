@@ -46,11 +46,13 @@ def _machine_options(command: Callable, slurm_allocation: bool) -> Callable:
 def machines_from(machine_list: str | None, hostfile: str | None, ssh_config: str | None = None,
                   advertise: str | None = None, remote_python: str | None = None, slurm: bool = False):
     """The Machines the options name, or None for a run on this machine alone."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .hosts import HostError, parse_hostfile, parse_machines
 
     if sum(map(bool, (machine_list, hostfile, slurm))) > 1:
         raise click.UsageError("give one of --machines, --hostfile and --slurm")
     if slurm:
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from .slurm import Allocation, NotInAllocation
 
         if ssh_config:
@@ -63,6 +65,7 @@ def machines_from(machine_list: str | None, hostfile: str | None, ssh_config: st
         if ssh_config or advertise or remote_python:
             raise click.UsageError("--ssh-config, --advertise and --remote-python need --machines, --hostfile or --slurm")
         return None
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from .machines import Machines
 
     try:

@@ -9,9 +9,13 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+from fedemu.common.ml import data
+from fedemu.common.ml.data import DatasetError
+
 from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, raise_on_stop_signals, restore_signals
 from .local import LocalRun
+from .progress import RunProgress
 from .rundir import LaunchError, make_run_dir, write_run_config
 
 
@@ -22,6 +26,7 @@ def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], No
     nodes on a host without ``slots=``)."""
     if machines is None:
         return LocalRun(config, run_dir, workers, echo)
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from .machines import MachinesRun  # SSH (or srun) and the preflight: only for runs that use them
     from .slurm import Allocation, SlurmRun
 
@@ -36,13 +41,9 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.running.machines.Machines`); returns (run directory, summary).
     ``live``: a progress bar on a terminal (progress.RunProgress), the lines above it."""
-    from fedemu.common.ml import data
-
     config = configuration.load(config_path, overrides, values)
     progress = None
     if live:
-        from .progress import RunProgress
-
         progress = RunProgress(config["run"]["rounds"])
         echo = progress.echo
     if workers is not None:
@@ -75,8 +76,6 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
 def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:
     """Prepare, start and follow the run; any stop signal (or Ctrl-C) interrupts it in
     order. Whatever ends it, its summary.json says how."""
-    from fedemu.common.ml.data import DatasetError
-
     try:
         prepare()
         run.start()

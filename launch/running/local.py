@@ -11,8 +11,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fedemu.server.runlog import (RESERVE, SUMMARY, RunLogError, read_events, write_error,
-                                  write_json_atomically, write_node_exit)
+from fedemu.node.net.profiles import LinkConfigError
+from fedemu.node.security import new_token, private_ipc_endpoint, save_private
+from fedemu.server.runlog import (
+    RESERVE,
+    SUMMARY,
+    RunLogError,
+    read_events,
+    write_error,
+    write_json_atomically,
+    write_node_exit,
+)
 
 from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, OomKills, child_env, describe_exit, exit_cause, stop_reason
@@ -65,8 +74,6 @@ class LocalRun:
         return proc
 
     def start(self) -> None:
-        from fedemu.node.security import private_ipc_endpoint
-
         self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
         self._check_device()
         self._make_token()
@@ -83,6 +90,7 @@ class LocalRun:
         (worker hosts of --machines and --slurm are checked by their preflight)."""
         if self.config["run"]["device"] in ("auto", "cpu"):
             return  # always available: spare the launcher torch's import
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from fedemu.common.ml.devices import DeviceUnavailable, torch_device
 
         try:
@@ -93,8 +101,6 @@ class LocalRun:
     def _network_by_machine(self, clients_of: dict[str, range]) -> list[tuple[str, frozenset[int]]]:
         """network.assign with its ``machine`` entries resolved to the clients each host
         runs (empty when there are none); a host the run does not have is a LaunchError."""
-        from fedemu.node.net.links import LinkConfigError
-
         spec, _ = configuration.network_parts(self.config)
         if not spec.machines:
             return []
@@ -105,8 +111,6 @@ class LocalRun:
 
     def _make_token(self) -> None:
         """The run's token, in the run directory (mode 0600): a node joins only with it."""
-        from fedemu.node.security import new_token, save_private
-
         self.token_file = save_private(self.run_dir / TOKEN_FILE, new_token() + "\n")
 
     def _keys_args(self) -> list[str]:

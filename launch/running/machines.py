@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from fedemu.node import Node
+from fedemu.node.security import RunKeys, load_token
 from fedemu.server.runlog import RunLogError, write_node_exit
 from fedemu.worker.client import placement
 
+from .. import config as configuration
 from .agent import code_digest, fedemu_version
 from .hosts import Host, ssh_argv
-from .. import config as configuration
 from .lifecycle import exit_cause
 from .local import LocalRun, last_line
 from .rundir import LaunchError
@@ -229,8 +231,6 @@ class MachinesRun(LocalRun):
         self.remotes: list[RemoteHost] = []
 
     def start(self) -> None:
-        from fedemu.node.security import RunKeys
-
         hosts = self.machines.hosts
         # A machine entry naming no host fails here, before anything starts.
         self._network_by_machine({str(h): range(0) for h in hosts})
@@ -296,9 +296,6 @@ class MachinesRun(LocalRun):
         """Give each host's clients its profile on the running broker, before any client
         exists. Every assign entry is applied again in config order, so a later entry
         still wins over an earlier one, as in a local run."""
-        from fedemu.node import Node
-        from fedemu.node.security import RunKeys, load_token
-
         node = Node("launcher", f"tcp://127.0.0.1:{port}", keys=RunKeys.load(self.keys_file),
                     token=load_token(self.token_file)).start()
         try:
@@ -360,6 +357,7 @@ class MachinesRun(LocalRun):
 
 def _torch_version() -> str | None:
     try:
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         import torch
 
         return torch.__version__

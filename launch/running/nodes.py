@@ -20,9 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from fedemu.common.ml import split
 from fedemu.node import Broker, Node, NodeError
-from fedemu.node.net.links import NetworkSpec
+from fedemu.node.net.network_spec import NetworkSpec
+from fedemu.node.security import RunKeys, load_token
+from fedemu.server.runlog import RunLog, write_text_atomically
+from fedemu.server.tensorboard import TensorBoardLog
 
+from ..config.settings import POPULATION_FILE, read_process_settings
 from .lifecycle import STOP_SIGNALS, parent_died, stop_reason
 
 log = logging.getLogger("fedemu.launch")
@@ -57,8 +62,6 @@ def run_broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float,
                     token=_token(token_file), controllers=controllers,
                     **({"keys": _keys(keys_file)} if keys_file else {}))
     if endpoint_file is not None:
-        from fedemu.server.runlog import write_text_atomically
-
         write_text_atomically(endpoint_file, broker.endpoint + "\n")  # readers never see half an address
     print(broker.endpoint, flush=True)
     stopped_by: list[int] = []
@@ -81,24 +84,18 @@ def read_config(run_dir: Path) -> dict:
 
 
 def _settings(run_dir: Path, kind: str):
-    from ..config.settings import read_process_settings
-
     return read_process_settings(run_dir, kind)
 
 
 def _keys(keys_file: Path | None):
     if keys_file is None:
         return None
-    from fedemu.node.security import RunKeys
-
     return RunKeys.load(keys_file)
 
 
 def _token(token_file: Path | None) -> str | None:
     if token_file is None:
         return None
-    from fedemu.node.security import load_token
-
     return load_token(token_file)
 
 
@@ -113,6 +110,7 @@ def _node(name: str, broker: str, settings, keys_file: Path | None = None, pool_
 
 
 def _set_torch_threads(settings, workers: int) -> None:
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     import torch
 
     # Virtual time promises the same weights on any host and placement: a thread count
@@ -127,6 +125,7 @@ def _device(settings, node: str, server: bool = False):
     """The torch device run.device names on this host, prepared (devices.use_device). The
     server only evaluates: on a host without the GPU the workers train on (a laptop
     launching onto GPU hosts), it evaluates on the CPU and says so."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.ml import devices
 
     try:
@@ -143,12 +142,11 @@ def _device(settings, node: str, server: bool = False):
 def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
     """The server node: hosts the server process; returns the exit code."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common import algorithms
     from fedemu.server.async_engine import AsyncEngine, Concurrency
     from fedemu.server.engine import RoundEngine, Stop
-    from ..config.settings import POPULATION_FILE
-    from fedemu.server.runlog import RunLog
-    from fedemu.common.ml import split
+
     from fedemu.worker.client import warm_up
 
     own = _settings(run_dir, "server")
@@ -165,8 +163,6 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     runlog = RunLog(run_dir)
     tensorboard = None
     if own.tensorboard:
-        from fedemu.server.tensorboard import TensorBoardLog
-
         tensorboard = TensorBoardLog(run_dir, (run_dir / "config.toml").read_text())
         runlog.listeners.append(tensorboard.on_event)
     model = own.model_spec()
@@ -225,7 +221,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
-    from fedemu.common.ml import split
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.worker.client import host_clients, placement
 
     own = _settings(run_dir, "worker")

@@ -57,6 +57,7 @@ class RunProgress:
         self.total = total
         self._bar = None
         if bar if bar is not None else on_terminal(self.stream):
+            # lazy: only a run on a terminal draws a progress bar
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, unit="round", file=self.stream, dynamic_ncols=True, leave=False)
@@ -96,6 +97,7 @@ class SweepProgress:
 
     def echo(self, line: str) -> None:
         if self.bars and self._points:
+            # lazy: only a run on a terminal draws a progress bar
             from tqdm import tqdm
 
             tqdm.write(line, file=self.stream)
@@ -105,6 +107,7 @@ class SweepProgress:
     def start(self, point_id: str, run_dir: Path, rounds: int) -> None:
         bar = None
         if self.bars:
+            # lazy: only a run on a terminal draws a progress bar
             from tqdm import tqdm
 
             bar = tqdm(total=rounds, unit="round", desc=_short_id(point_id), file=self.stream, dynamic_ncols=True,

@@ -2,11 +2,13 @@
 into it. Every error names the path and what went wrong, before anything starts."""
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
 from fedemu.server.runlog import EVENTS, RunLogError, write_text_atomically
 
+from .. import config as configuration
 from .lifecycle import DirectoryInUse, DirLock
 
 
@@ -58,10 +60,6 @@ def write_run_config(config: dict, run_dir: Path) -> None:
     (each node process's settings, which the nodes read instead of the config), and with
     traces or device classes, population.json (the trace files' sha256 and each
     client's device speed: worker nodes read their speeds there)."""
-    import json
-
-    from .. import config as configuration
-
     write_run_file(run_dir / "config.toml", configuration.to_toml(config))
     try:
         settings = configuration.process_settings_json(config)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,18 @@ from .. import config as configuration
 from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
-from .results import (ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, flat, is_sweep, load_record, load_run,
-                      load_sweep, time_to_target)
+from .results import (
+    ALGORITHM_KEY,
+    REPEAT_KEYS,
+    VIEW_KEYS,
+    RunRecord,
+    flat,
+    is_sweep,
+    load_record,
+    load_run,
+    load_sweep,
+    time_to_target,
+)
 
 
 class CompareError(ValueError):
@@ -88,8 +99,6 @@ def collect(paths: list[str | Path], where: list[str] = ()) -> list[RunRecord]:
 
 
 def _same(value, raw: str) -> bool:
-    import tomllib
-
     try:
         parsed = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -205,6 +214,7 @@ def complete_repetitions(pairs: set[tuple[int, int]], folds: set[int]) -> set[tu
 
 def test(x: np.ndarray, y: np.ndarray, rope: float, runs: int) -> tuple[float, float, float, object]:
     """baycomp's correlated t-test on paired scores; (P(x better), P(rope), P(y better), posterior)."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from baycomp import CorrelatedTTest
 
     posterior = CorrelatedTTest(x, y, rope=rope, runs=runs)
@@ -302,6 +312,7 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
                     metric: str = "final_accuracy", target: float | None = None) -> list[Path]:
     """One panel per pair, as the paper's Figure 3: the posterior of B - A in
     percentage points, the rope between two lines, the three probabilities."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from scipy import stats
 
     plt = pyplot()

@@ -35,6 +35,7 @@ def short(key: str) -> str:
 def algorithm_label(name: str) -> str:
     """The algorithm's label (``FedAvg``, ``CO-OP``), or its name where no class answers
     to it here (a plug-in this machine cannot import)."""
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
     try:

@@ -4,6 +4,7 @@ compare and the benchmarks). matplotlib is imported only when drawing."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,11 @@ from .results import REPEAT_KEYS, X_AXES, RunRecord, SweepData, differing_keys, 
 
 def pyplot():
     """matplotlib's pyplot, drawing into files, with the report's fonts and stable SVG ids."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a server
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib.pyplot as plt
 
     plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 9,
@@ -54,6 +57,7 @@ OUTCOME_COLORS = {"answered": "#2ca02c", "straggler": "#ff7f0e", "offline": "#7f
 
 def _integer_ticks(ax) -> None:
     """Rounds and evaluations are whole numbers: no 1.25 on their axis."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -181,6 +185,7 @@ def plot_participation(runs: list[RunRecord], labels: list[str], out: Path, form
 
 
 def _outcome_legend(fig, outcome_sets: list[dict]) -> None:
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from matplotlib.patches import Patch
 
     seen = [n for n in OUTCOME_COLORS if any(o.get(n) is not None and o[n].any() for o in outcome_sets)]
@@ -209,8 +214,6 @@ def spread(curves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
         inside = (grid >= x[0]) & (grid <= x[-1])
         stacked[i, inside] = np.interp(grid[inside], x, y)
     with np.errstate(all="ignore"):
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             return grid, np.nanmean(stacked, axis=0), np.nanmin(stacked, axis=0), np.nanmax(stacked, axis=0)
@@ -314,8 +317,6 @@ def plot_sweep_rounds(data: SweepData, out: Path, formats) -> list[Path]:
                     if name in r.series.outcomes:
                         table[i, np.searchsorted(rounds, r.series.rounds)] = r.series.outcomes[name]
                 with np.errstate(all="ignore"):
-                    import warnings
-
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", RuntimeWarning)
                         means[name] = np.nan_to_num(np.nanmean(table, axis=0))
@@ -335,6 +336,7 @@ def plot_sweep_rounds(data: SweepData, out: Path, formats) -> list[Path]:
 
 
 def _figure_legend(fig, colors, algos):
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=colors[a], linewidth=2, label=algorithm_label(a)) for a in algos]

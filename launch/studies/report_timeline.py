@@ -11,12 +11,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedemu.server.runlog import CLIENTS, EVENTS, read_events
 from fedemu.server.timeline import TIMELINE
 
+from .report_figures import pyplot, save_figure
 from .results import ReportError, emulated_origin
 
 COLORS = {"download": "#1f77b4", "compute": "#2ca02c", "upload": "#ff7f0e", "offline": "#9e9e9e",
@@ -64,8 +66,6 @@ def load(run_dir: str | Path) -> RunTimeline:
     config_text = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").exists() else ""
     timeline = RunTimeline(origin)
     if config_text:
-        import tomllib
-
         algorithm = tomllib.loads(config_text).get("algorithm", {})
         timeline.deadline_s = float(algorithm.get("deadline_s", 0.0) or 0.0)
     off_since: dict[int, float] = {}
@@ -129,9 +129,8 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     """A Gantt figure of the chosen rounds: a row per selected client (download, compute,
     upload; offline shaded; a lost transfer marked ×), the rounds' bounds and deadlines
     marked. Returns the files written (``timeline.EXT`` in ``out``)."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from matplotlib.patches import Patch
-
-    from .report_figures import pyplot, save_figure
 
     timeline = load(run_dir)
     chosen = parse_rounds(rounds, sorted(timeline.rounds))
@@ -184,6 +183,7 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
                Patch(facecolor=COLORS["offline"], alpha=0.35, hatch="//", edgecolor="#666666", label="offline"),
                Patch(color=COLORS["failed"], label="lost transfer (×)")]
     if timeline.deadline_s and rounds_word == "round":
+        # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
         from matplotlib.lines import Line2D
 
         handles.append(Line2D([], [], color="#d62728", linestyle="--", label="deadline"))

@@ -9,6 +9,7 @@ missing summary is a running or killed run; a torn last event line is skipped).
 """
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import math
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from fedemu.server.runlog import EVENTS, SUMMARY, read_events
+
+from .. import config as configuration
 
 # What a run curve can be drawn against: (attribute, axis label, file stem, what); the
 # rounds' label fits the runs drawn (x_label).
@@ -159,6 +162,7 @@ class RunRecord:
     @property
     def synchronous(self) -> bool:
         """Round-based (else an asynchronous rule, whose "rounds" are evaluations)."""
+        # lazy: imports torch (~1.2 s), which the module's other paths do without
         from fedemu.common.algorithms.base import UnknownAlgorithm, get
 
         try:
@@ -186,8 +190,6 @@ class RunRecord:
 @functools.cache
 def _todays_defaults() -> dict:
     """The default config, read once: a sweep loads hundreds of runs (only read here)."""
-    from .. import config as configuration
-
     return configuration.default()
 
 
@@ -338,8 +340,6 @@ def _evaluations(run_dir: Path, time_scale: float) -> list[dict]:
 
 def write_csv(records: list[dict], out) -> None:
     """The records as CSV (a header, then a row each) into a text stream."""
-    import csv
-
     columns = list(dict.fromkeys(k for r in records for k in r))
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()

@@ -2,6 +2,7 @@
 the main group at the end of cli.py)."""
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -37,8 +38,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     on the hosts; --parallel N splits the hosts into N groups, one point on each. With
     --slurm the points are the tasks of a Slurm job array; rerun to collect results and
     re-submit what failed."""
-    import shlex
-
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from fedemu.common.ml.data import DatasetError
 
     from .sweep import run_sweep
@@ -57,6 +57,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
     try:
         spec = load_spec(sweep_file, out)
         if slurm:
+            # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
             from .sweep_slurm import run_slurm_sweep
 
             if parallel is not None:
@@ -83,6 +84,7 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def sweep_task(folder: Path) -> None:
     """One point of a `fedemu sweep --slurm` job array (run by Slurm as an array task)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .sweep_slurm import run_task
 
     sys.exit(run_task(folder))
@@ -103,6 +105,7 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
            rounds: str | None, max_clients: int) -> None:
     """Plots and a Markdown table for runs (finished or not) and sweeps; with --timeline,
     a run's Gantt figure."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .report import report as make_report
     from .results import ReportError
 
@@ -116,6 +119,7 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
         raise click.UsageError("--rounds and --clients go with --timeline")
     try:
         if timeline:
+            # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
             from .report_timeline import plot_gantt
 
             if len(paths) != 1:
@@ -154,6 +158,7 @@ def compare(paths: tuple[str, ...], by: str, metric: str, target: float | None, 
     """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps,
     run directories or run records: the .json files bench/nilsson_table1.py keeps), paired
     by seed and fold, as Nilsson et al. 2018 did."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .compare import CompareError, run
     from .results import ReportError
 
@@ -177,9 +182,11 @@ def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
     """One tidy table of runs and sweeps: a CSV row per evaluation, with each run's path,
     status, algorithm and the keys that vary between runs (a sweep's axes). With
     --trace, one run's timeline in the Chrome trace event format."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .results import ReportError, evaluation_records, write_csv
 
     if trace:
+        # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
         from .report_timeline import write_trace
 
         if len(paths) != 1:

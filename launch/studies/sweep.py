@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from fedemu.common.ml import data
+
 from ..running.lifecycle import DirectoryInUse, DirLock, StopRequest
+from ..running.progress import SweepProgress
 from .sweep_index import DB_FILE, Index, now, summary_fields
 from .sweep_layout import Layout, plan
-from ..running.progress import SweepProgress
 from .sweep_point import alive, run_point
 from .sweep_spec import Point, Spec, SweepError, expand
 
@@ -120,7 +122,7 @@ def _recover(index: Index, sweep_dir: Path, target: float, echo) -> None:
             raise SweepError(f"point {row['id']} is still running from an earlier sweep that was killed "
                              f"(pids {' '.join(map(str, still))}); wait for it or stop it (kill {' '.join(map(str, still))}), "
                              "then rerun")
-        summary = _read_summary(run_dir)
+        summary = read_summary(run_dir)
         status = summary.get("status") if summary else None
         if status == "completed":
             echo(f"adopted {row['id']}: it completed after the earlier sweep stopped")
@@ -130,7 +132,7 @@ def _recover(index: Index, sweep_dir: Path, target: float, echo) -> None:
             index.update(row["id"], status="interrupted", reason="the sweep was killed while it ran")
 
 
-def _read_summary(run_dir: Path) -> dict | None:
+def read_summary(run_dir: Path) -> dict | None:
     try:
         return json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -138,8 +140,6 @@ def _read_summary(run_dir: Path) -> dict | None:
 
 
 def _fetch_data(points: list[Point]) -> None:
-    from fedemu.common.ml import data
-
     for name, cache in {(p.config["data"]["dataset"], p.config["data"]["cache_dir"] or None) for p in points}:
         data.fetch(name, cache, progress=lambda line: None)
 

@@ -10,6 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fedemu.server.runlog import read_events
+
 from .labels import fmt
 from .results import curve, flat, times_to_target
 from .sweep_spec import VOLATILE, Point, Spec, SweepError
@@ -112,8 +114,6 @@ def now() -> str:
 
 def summary_fields(run_dir: Path, summary: dict, target: float) -> dict:
     """The row's figures from a finished (or stopped) run."""
-    from fedemu.server.runlog import read_events
-
     events = read_events(run_dir)
     c = curve(events, _time_scale(run_dir))
     tt = times_to_target(c, target) if target else {"rounds": None, "emulated_s": None, "mb_up": None}

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..running.launcher import open_run
+from ..running.rundir import LaunchError, make_run_dir, write_run_config
 
 if TYPE_CHECKING:
     from ..running.machines import Machines
@@ -19,8 +21,6 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
     """Run one configuration into ``run_dir`` and return its summary: on this machine with
     ``workers`` worker nodes, or with worker nodes on ``machines`` (``workers``: slots
     of a host without ``slots=``). What the launcher would print goes to logs/launch.out."""
-    from ..running.rundir import make_run_dir
-
     _, lock = make_run_dir(config, run_dir)
     try:
         return _run_point(config, run_dir, workers=workers, stop=stop, on_start=on_start, machines=machines)
@@ -30,9 +30,6 @@ def run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threadi
 
 def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: threading.Event,
                on_start: Callable[[list[int]], None] | None, machines: Machines | None) -> dict:
-    from ..running.launcher import open_run
-    from ..running.rundir import LaunchError, write_run_config
-
     try:
         write_run_config(config, run_dir)
     except LaunchError as exc:

@@ -19,15 +19,19 @@ sweep retries what is missing.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from .sweep import _read_summary, new_attempt, opened
+from ..running.lifecycle import StopRequest
+from .sweep import read_summary, new_attempt, opened
 from .sweep_index import Index, now, summary_fields
+from .sweep_point import run_point
 from .sweep_spec import Spec, SweepError, expand
 
 POLL_S = 5.0  # how often --wait asks squeue; a point takes minutes
@@ -142,7 +146,7 @@ def collect(index: Index, sweep_dir: Path, target: float, echo) -> dict[str, str
                 index.update(row["id"], status="running", started_at=now())
             continue
         run_dir = sweep_dir / row["run_dir"]
-        summary = _read_summary(run_dir)
+        summary = read_summary(run_dir)
         job, task = row["slurm_job"].split("_")
         if summary is None:
             folder = next((f for f in (sweep_dir / "slurm").glob("submit-*") if _job_of(f) == job), None)
@@ -182,12 +186,8 @@ def run_task(folder: Path, env: dict | None = None) -> int:
     --slurm` inside this task's allocation. Stopped (scancel, the time limit), it
     interrupts the running point and starts no other; the next `fedemu sweep --slurm`
     re-submits what is left."""
-    import os
-    import signal
-
-    from ..running.lifecycle import StopRequest
+    # lazy: imports torch (~1.2 s), which the module's other paths do without
     from ..running.slurm import Allocation
-    from .sweep_point import run_point
 
     env = os.environ if env is None else env
     task = env.get("SLURM_ARRAY_TASK_ID")

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedemu.common.ml import kfold
+
 from .. import config as configuration
 from .labels import point_id
 from .results import REPEAT_KEYS, flat
@@ -192,8 +194,6 @@ def config_hash(config: dict) -> str:
 
 def expand(spec: Spec) -> list[Point]:
     """Every point of the grid, each config resolved and validated."""
-    from fedemu.common.ml import kfold
-
     points, ids = [], set()
     for seq, combo in enumerate(itertools.product(*(values for _, values in spec.groups))):
         params = {k: v for (keys, _), step in zip(spec.groups, combo) for k, v in zip(keys, step)}

@@ -151,10 +151,12 @@ def stats(file: str, fmt: str, figure: str | None) -> None:
 
 
 def draw(s: dict, out: Path) -> None:
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib.pyplot as plt
 
     panels = [p for p in ("rates", "compute", "online") if

@@ -35,7 +35,7 @@ import zmq
 
 from .. import wire
 from ..net.emulator import LinkEmulator
-from ..net.links import NetworkSpec
+from ..net.network_spec import NetworkSpec
 from ..control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..security import Admission, RunKeys
 from ..wire import CTL, Pid, WireError

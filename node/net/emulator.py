@@ -23,7 +23,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable
 
-from .links import DOWN, UP, LinkConfigError, LinkProfile, Network, NetworkSpec, parse_ids
+from .availability import parse_ids
+
+from .links import Network
+
+from .network_spec import NetworkSpec
+
+from .profiles import DOWN, UP, LinkConfigError, LinkProfile
 from .tcp import Arrival, TcpTransport
 
 log = logging.getLogger("fedemu.broker")

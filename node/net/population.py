@@ -234,7 +234,7 @@ def _device_speed(spec: dict[str, Any], k: int, seed: int) -> dict[str, float]:
 def population_from_config(section: dict, num_clients: int, seed: int,
                            group: Callable[[dict, str], frozenset[int] | None], error) -> Population:
     """``network.traces`` and ``network.devices``, checked, files read (so a bad trace is
-    refused before a run starts). ``group`` picks an entry's clients (links._group);
+    refused before a run starts). ``group`` picks an entry's clients (network_spec._group);
     ``error`` is the exception to raise (LinkConfigError)."""
     population = Population(num_clients, seed)
     traces = section.get("traces", {})

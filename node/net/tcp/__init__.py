@@ -40,7 +40,7 @@ from __future__ import annotations
 import sys
 import types
 
-from ..links import DOWN, UP
+from ..profiles import DOWN, UP
 from . import presets
 from .presets import LINUX, NS3_337, Stack, default_buffer
 from .scheduler import TcpTransport

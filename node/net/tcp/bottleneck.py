@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ..links import LinkProfile, jitter_sample
+from ..profiles import LinkProfile, jitter_sample
 from .losses import count_between
 from .presets import DELAYED_ACK_SEGMENTS, default_buffer
 from .state import Arrival, Flow, Plan, Round

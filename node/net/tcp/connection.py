@@ -25,7 +25,7 @@ import math
 import random
 
 from ...streams import uniform
-from ..links import DOWN, UP, LinkProfile
+from ..profiles import DOWN, UP, LinkProfile
 from . import recovery, window
 from .losses import overflow_positions, random_losses, segment_at
 from .recovery import LIMITED_TRANSMIT

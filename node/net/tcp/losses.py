@@ -17,7 +17,7 @@ import math
 import random
 from typing import Callable
 
-from ..links import LinkProfile
+from ..profiles import LinkProfile
 from .state import Flow
 
 

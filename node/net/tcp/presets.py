@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..links import LinkProfile
+from ..profiles import LinkProfile
 
 
 @dataclass(frozen=True)

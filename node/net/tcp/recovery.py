@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..links import LinkProfile
+from ..profiles import LinkProfile
 from . import presets, window
 from .presets import DELAYED_ACK_SEGMENTS, DELAYED_ACK_TIMEOUT_S
 from .state import LOSS, OPEN, RECOVERY, Flow, Round

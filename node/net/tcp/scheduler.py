@@ -21,7 +21,7 @@ import heapq
 import math
 from typing import Any, Callable
 
-from ..links import DOWN, UP, LinkProfile
+from ..profiles import DOWN, UP, LinkProfile
 from .bottleneck import BottleneckQueues
 from .connection import Connections
 from .presets import BUFFER_PACKETS, FULL_SEGMENT

@@ -23,7 +23,7 @@ import math
 import random
 
 from ...streams import uniform
-from ..links import LinkProfile
+from ..profiles import LinkProfile
 from .state import Flow, Plan
 
 SHARED_LINK = -1  # the link id of a shared link's events (sorts before every client's)

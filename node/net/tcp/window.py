@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from ..links import LinkProfile
+from ..profiles import LinkProfile
 from . import presets
 from .presets import DELAYED_ACK_SEGMENTS
 from .state import OPEN, Flow, Round
