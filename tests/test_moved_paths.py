@@ -61,6 +61,7 @@ MOVED_NAMES = {
     ("fedemu.node.net.links", "parse_ids"): "fedemu.node.net.availability",
     ("fedemu.node.net.links", "LinkConfigError"): "fedemu.node.net.profiles",
     ("fedemu.node.net.links", "parse_bandwidth"): "fedemu.node.net.profiles",
+    ("fedemu.server.engine", "RoundEngine"): "fedemu.server.round_engine",
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from fedemu.launch import config as configuration
 from fedemu.node import Down, Message, Pid, wire
-from fedemu.server.engine import _RoundBook
+from fedemu.server.round_engine import RoundBook
 from fedemu.server.runlog import read_events
 from fedemu.common.ml.exact_sum import ExactSum
 from fedemu.worker.node_sums import KeptUpdates, NodeSums
@@ -187,7 +187,7 @@ def node_sum(node: str, clients: list[int], missing: list[int] = ()) -> Message:
 def test_the_server_adds_each_nodes_sum_and_asks_each_node_for_its_own_clients(tmp_path):
     eng = node_engine(tmp_path)
     proc = ScriptedProc(*tokens(2, 0, 3, 1), node_sum("worker-1", [2, 3]), node_sum("worker-0", [0, 1]))
-    book = _RoundBook([0, 1, 2, 3])
+    book = RoundBook([0, 1, 2, 3])
     replies = eng._phase(proc, 1, book, TRAIN, 0.1)
     requests = [(pid, body) for pid, body in proc.sent if isinstance(body, SumRequest)]
     assert [(pid.node, body.clients) for pid, body in requests] == [("worker-0", [0, 1]), ("worker-1", [2, 3])]
@@ -202,7 +202,7 @@ def test_a_node_lost_before_its_sum_loses_its_clients_updates_for_the_round(tmp_
     eng = node_engine(tmp_path)
     lost = Message(Pid("worker-1", 0), Down(ref=1, pid=Pid("worker-1", 100), reason="noconnection"))
     proc = ScriptedProc(*tokens(0, 1, 2, 3), lost, node_sum("worker-0", [0, 1]))
-    book = _RoundBook([0, 1, 2, 3])
+    book = RoundBook([0, 1, 2, 3])
     replies = eng._phase(proc, 1, book, TRAIN, 0.1)
     assert [r.client for r in replies] == [0, 1] and book.dropped == {2, 3}
     expected = ExactSum()
@@ -217,7 +217,7 @@ def test_a_malformed_or_short_node_sum_leaves_out_exactly_those_clients(tmp_path
     malformed = node_sum("worker-1", [2, 3])
     malformed.body.state["buckets"][0][2] = np.zeros(3, np.int64)  # the wrong length
     proc = ScriptedProc(*tokens(0, 1, 2, 3), malformed, node_sum("worker-0", [0], missing=[1]))
-    book = _RoundBook([0, 1, 2, 3])
+    book = RoundBook([0, 1, 2, 3])
     replies = eng._phase(proc, 1, book, TRAIN, 0.1)
     assert [r.client for r in replies] == [0] and book.dropped == {1, 2, 3}
     expected = ExactSum()

@@ -21,7 +21,7 @@ from fedemu.node import TIMEOUT, Message, Pid, wire
 from fedemu.server.async_engine import AsyncEngine
 from fedemu.common.algorithms.coop import Coop
 from fedemu.common.algorithms.fedasync import FedAsync
-from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, _Stopped
+from fedemu.server.engine import TRAFFIC_KEYS, Settings, Stop, Stopped
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.worker.client import Client, ModelCache
 from fedemu.common.ml.compression import CompressionSpec
@@ -60,7 +60,7 @@ def weights_upload(eng: AsyncEngine, client: int, request: int, value: float) ->
 
 
 def serve(eng: AsyncEngine, proc) -> None:
-    with pytest.raises(_Stopped):
+    with pytest.raises(Stopped):
         eng.main(proc)
 
 

@@ -16,7 +16,8 @@ import pytest
 from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Message, Pid
 from fedemu.server.checks import check
-from fedemu.server.engine import RoundEngine, Settings, _RoundBook
+from fedemu.server.engine import Settings
+from fedemu.server.round_engine import RoundBook, RoundEngine
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.common.algorithms.fedavg import FedAvg
 from fedemu.common.algorithms.rounds import weighted_average
@@ -73,7 +74,7 @@ def engine(tmp_path: Path, clients: int = 5, **settings) -> RoundEngine:
 
 
 def run_phase(eng: RoundEngine, proc: ScriptedProc, selected: list[int], target: int | None = None):
-    book = _RoundBook(selected, target=target)
+    book = RoundBook(selected, target=target)
     return eng._phase(proc, 1, book, TRAIN, 0.1), book
 
 
@@ -215,12 +216,12 @@ def test_the_brokers_word_that_nothing_can_happen_is_a_deadlock_naming_who_is_wa
     """Virtual time: the run is quiescent with nothing pending while replies are
     awaited. The server stops at once with a deadlock event, not after a watchdog."""
     from fedemu.node import BROKER_NODE, Stalled
-    from fedemu.server.engine import _Stopped
+    from fedemu.server.engine import Stopped
     from fedemu.server.runlog import read_events
 
     eng = engine(tmp_path, C=0.6, deadline_s=0, progress_timeout_s=3600)
     proc = ScriptedProc(reply(1), Message(Pid(BROKER_NODE, 0), Stalled(42.0)))
-    with pytest.raises(_Stopped) as stopped:
+    with pytest.raises(Stopped) as stopped:
         run_phase(eng, proc, [0, 1, 4])
     assert stopped.value.status == "failed" and stopped.value.reason.startswith("deadlock: ")
     [event] = [e for e in read_events(tmp_path) if e["event"] == "deadlock"]

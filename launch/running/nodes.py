@@ -145,7 +145,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     # lazy: imports torch (~1.2 s), which the module's other paths do without
     from fedemu.common import algorithms
     from fedemu.server.async_engine import AsyncEngine, Concurrency
-    from fedemu.server.engine import RoundEngine, Stop
+    from fedemu.server.engine import Stop
+    from fedemu.server.round_engine import RoundEngine
 
     from fedemu.worker.client import warm_up
 
