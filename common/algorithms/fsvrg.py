@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedemu.common.messages import GRADIENT, SVRG
-from fedemu.common.ml import cohort, models, training
+from fedemu.common.ml import cohort, models, stacked, training
 from fedemu.common.ml.datasets import Dataset
 from fedemu.node.schema import Key, interval
 
@@ -221,10 +221,10 @@ def svrg_cohort(model: nn.Module, members: list[cohort.Member], dataset: Dataset
     return results
 
 
-def _mlp_pass(plan: cohort.Plan, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+def _mlp_pass(plan: stacked.Plan, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor):
     """_mlp_backward for each member: the Linear layers' inputs and output
     gradients of the per-example cross-entropy (not averaged), and the losses."""
-    linears = [layer for layer in plan.layers if layer.kind == cohort.LINEAR]
+    linears = [layer for layer in plan.layers if layer.kind == stacked.LINEAR]
     members, examples = x.shape[:2]
     inputs, pre = [], []
     a = x.reshape(members, examples, -1)
@@ -245,7 +245,7 @@ def _mlp_pass(plan: cohort.Plan, params: list[torch.Tensor], x: torch.Tensor, y:
     return linears, inputs, grads, losses
 
 
-def _svrg_chunk(plan: cohort.Plan, members: list[cohort.Member], count: int, dataset: Dataset,
+def _svrg_chunk(plan: stacked.Plan, members: list[cohort.Member], count: int, dataset: Dataset,
                 device: torch.device):
     size = len(members)
     inputs = torch.stack([dataset.inputs(m.x).to(device) for m in members])
