@@ -62,6 +62,8 @@ MOVED_NAMES = {
     ("fedemu.node.net.links", "LinkConfigError"): "fedemu.node.net.profiles",
     ("fedemu.node.net.links", "parse_bandwidth"): "fedemu.node.net.profiles",
     ("fedemu.server.engine", "RoundEngine"): "fedemu.server.round_engine",
+    ("fedemu.worker.client", "host_clients"): "fedemu.worker.hosting",
+    ("fedemu.worker.client", "placement"): "fedemu.worker.placement",
 }
 
 

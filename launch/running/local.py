@@ -14,13 +14,7 @@ from typing import Callable
 from fedemu.node.net.profiles import LinkConfigError
 from fedemu.node.security import new_token, private_ipc_endpoint, save_private
 from fedemu.server.runlog import (
-    RESERVE,
-    SUMMARY,
-    RunLogError,
-    read_events,
-    write_error,
-    write_json_atomically,
-    write_node_exit,
+    RESERVE, SUMMARY, RunLogError, read_events, write_error, write_json_atomically, write_node_exit,
 )
 
 from .. import config as configuration

@@ -29,7 +29,7 @@ from typing import Callable
 from fedemu.node import Node
 from fedemu.node.security import RunKeys, load_token
 from fedemu.server.runlog import RunLogError, write_node_exit
-from fedemu.worker.client import placement
+from fedemu.worker.placement import placement
 
 from .. import config as configuration
 from .agent import code_digest, fedemu_version

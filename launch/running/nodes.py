@@ -148,7 +148,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
     from fedemu.server.engine import Stop
     from fedemu.server.round_engine import RoundEngine
 
-    from fedemu.worker.client import warm_up
+    from fedemu.worker.hosting import warm_up
 
     own = _settings(run_dir, "server")
     algo = own.algorithm
@@ -223,7 +223,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
 def run_worker_node(broker: str, run_dir: Path, index: int, workers: int, keys_file: Path | None = None,
                     token_file: Path | None = None) -> int:
     # lazy: imports torch (~1.2 s), which the module's other paths do without
-    from fedemu.worker.client import host_clients, placement
+    from fedemu.worker.hosting import host_clients
+    from fedemu.worker.placement import placement
 
     own = _settings(run_dir, "worker")
     stragglers = own.straggler_spec()

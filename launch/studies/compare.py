@@ -31,16 +31,7 @@ from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
 from .results import (
-    ALGORITHM_KEY,
-    REPEAT_KEYS,
-    VIEW_KEYS,
-    RunRecord,
-    flat,
-    is_sweep,
-    load_record,
-    load_run,
-    load_sweep,
-    time_to_target,
+    ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, flat, is_sweep, load_record, load_run, load_sweep, time_to_target,
 )
 
 

@@ -37,13 +37,7 @@ from dataclasses import dataclass, field
 from ..streams import uniform
 from .availability import Availability
 from .population import LinkTrace
-from .profiles import (
-    DOWN,
-    IDEAL,
-    UP,
-    LinkProfile,
-    jitter_sample,
-)
+from .profiles import DOWN, IDEAL, UP, LinkProfile, jitter_sample
 from .time_of_day import HourlyRate, TimeOfDay
 from .traces import RateTrace
 

@@ -11,14 +11,7 @@ from ..streams import uniform
 from .availability import Availability, parse_ids
 from .links import Network
 from .population import Population, population_from_config
-from .profiles import (
-    DOWN,
-    TRANSPORTS,
-    UP,
-    LinkConfigError,
-    LinkProfile,
-    parse_bandwidth,
-)
+from .profiles import DOWN, TRANSPORTS, UP, LinkConfigError, LinkProfile, parse_bandwidth
 from .time_of_day import TimeOfDay, time_of_day_from_config
 
 PRESETS: dict[str, dict[str, Any]] = {
