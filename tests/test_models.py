@@ -1,3 +1,4 @@
+import math
 import warnings
 
 import numpy as np
@@ -32,6 +33,21 @@ def test_model_names_and_unknown_name():
     with pytest.raises(models.UnknownModel,
                        match="unknown model 'resnet': fedemu has 2nn, cnn, cifar-cnn, char-lstm"):
         models.build("resnet", (1, 28, 28), 10)
+
+
+def test_a_registered_builder_is_found_by_name_and_a_taken_name_is_refused(monkeypatch):
+    monkeypatch.setattr(models, "_builders", dict(models._builders))
+
+    @models.register("tiny-linear")
+    def tiny(input_shape, num_classes):
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), num_classes))
+
+    assert models.builder("tiny-linear") is tiny
+    assert models.num_parameters(models.build("tiny-linear", (1, 28, 28), 10)) == 784 * 10 + 10
+    with pytest.raises(ValueError, match="model '2nn' is registered already"):
+        models.register("2nn")(tiny)
+    with pytest.raises(ValueError, match="lower-case letters"):
+        models.register("Tiny Model")
 
 
 @pytest.mark.parametrize("name", models.MODEL_NAMES)

@@ -35,9 +35,9 @@ def plugin_on_path(monkeypatch):
                                                          if name not in ("trimmedmean", BY_PATH)})
     from fedemu.common.ml import models
 
-    monkeypatch.setattr(models, "_BUILDERS", dict(models._BUILDERS))
+    monkeypatch.setattr(models, "_builders", dict(models._builders))
     for name in ("mlp100", MODEL_BY_PATH):
-        models._BUILDERS.pop(name, None)
+        models._builders.pop(name, None)
     from fedemu.common.ml import datasets
 
     datasets.built_in()

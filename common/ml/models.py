@@ -1,9 +1,11 @@
 """Models: McMahan et al. (2017)'s two MNIST models, any model a plug-in brings, and
 flat-vector weights.
 
-A model is a builder, ``builder(input_shape, num_classes) -> nn.Module``, found by
-``model.name``: a built-in (``2nn``, ``cnn``), an installed package's ``fedemu.models``
-entry point, or ``package.module:function``. It is built for the run's data set, whose
+A model is a builder, ``builder(input_shape, num_classes) -> nn.Module``, filed with
+``@register(name)`` as algorithms and data sets are, and found by ``model.name``: a
+built-in (``2nn``, ``cnn``, ``cifar-cnn``, ``char-lstm``), a builder a plug-in's module
+registered, an installed package's ``fedemu.models`` entry point, or
+``package.module:function``. It is built for the run's data set, whose
 declaration gives the input shape and the number of classes (:class:`ModelSpec`).
 Every process that trains or evaluates builds it (the server and each worker node), so
 over ``--machines`` each host's preflight checks that it can import it. A model takes
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -38,7 +41,27 @@ ENTRY_POINT_GROUP = "fedemu.models"
 
 Builder = Callable[..., "nn.Module"]  # builder(input_shape=(C, H, W), num_classes=N)
 
+# Builders by model.name: the built-ins below file themselves, plug-ins once found.
+_builders: dict[str, Builder] = {}
 
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    """Decorator: file a builder under ``name`` (what ``model.name`` says), as
+    ``algorithms.register`` and ``datasets.register`` file theirs. A plug-in's module may
+    use it too; a name another builder holds is refused (ValueError)."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name):
+        raise ValueError(f"model name {name!r}: lower-case letters, digits, '.', '_' or '-'")
+
+    def file(fn: Builder) -> Builder:
+        known = _builders.get(name)
+        if known is not None and known is not fn:
+            raise ValueError(f"model {name!r} is registered already, by {known.__module__}.{known.__qualname__}")
+        _builders[name] = fn
+        return fn
+    return file
+
+
+@register("2nn")
 def _two_layer_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
@@ -54,6 +77,7 @@ def _two_layer_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+@register("cnn")
 def _cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     # torch where it is used: this module is read without it, where a config is checked
     from torch import nn
@@ -77,6 +101,7 @@ def _cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+@register("cifar-cnn")
 def _cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """McMahan et al.'s CIFAR-10 model, the TensorFlow tutorial's (cifar10.py): two 5x5
     convolutions of 64 with 3x3 max-pooling (stride 2, padded) and local response
@@ -104,6 +129,7 @@ def _cifar_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+@register("char-lstm")
 def _char_lstm(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """McMahan et al.'s Shakespeare model: each character embedded in 8 dimensions, two
     LSTM layers of 256, a softmax over the characters at every one of the unrolled
@@ -132,8 +158,7 @@ def _char_lstm(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return CharLSTM()
 
 
-_BUILDERS: dict[str, Builder] = {"2nn": _two_layer_mlp, "cnn": _cnn, "cifar-cnn": _cifar_cnn, "char-lstm": _char_lstm}
-MODEL_NAMES = tuple(_BUILDERS)
+MODEL_NAMES = tuple(_builders)  # the built-ins, as filed above
 
 
 class UnknownModel(plugins.PluginNotFound):
@@ -142,15 +167,15 @@ class UnknownModel(plugins.PluginNotFound):
 
 def builder(name: str) -> Builder:
     """The builder ``model.name`` names (module docstring); UnknownModel says why not."""
-    if name in _BUILDERS:
-        return _BUILDERS[name]
+    if name in _builders:
+        return _builders[name]
     try:
         found = plugins.load(name, "model", ENTRY_POINT_GROUP, "function", list(MODEL_NAMES))
     except plugins.PluginNotFound as exc:
         raise UnknownModel(str(exc)) from None
     if not callable(found):
         raise UnknownModel(f"model {name!r} is {found!r}, not a builder(input_shape, num_classes)")
-    _BUILDERS[name] = found
+    _builders[name] = found  # also under the name the config used
     return found
 
 
