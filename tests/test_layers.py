@@ -6,6 +6,7 @@ source with ast, so a test of the tree itself, not of what one run imported."""
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,48 @@ def test_no_module_reaches_for_another_modules_private_names():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 found.append(f"{mod}: {node.value.id}.{node.attr}")
     assert found == []
+
+
+@pytest.mark.parametrize("clock", ["wall", "virtual"])
+def test_each_broker_collaborator_is_given_what_it_declares_and_the_broker_has_it(clock):
+    """The broker's collaborators name what they use of it in a Protocol (no import of
+    the Broker); a real broker must offer every member of each, with either timebase."""
+    from fedemu.node.broker import control_ops, membership, network_changes, routing, timebase
+    from fedemu.node.broker.broker import Broker
+
+    protocols = [membership.MembershipHost, routing.RouterHost, timebase.TimebaseHost,
+                 network_changes.NetworkChangesHost, control_ops.ControlHost]
+    for module in (control_ops, membership, network_changes, routing, timebase):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for alias in node.names}
+        assert "Broker" not in imported, f"{module.__name__} imports the Broker"
+    broker = Broker("tcp://127.0.0.1:0", clock=clock)
+    serving = threading.Thread(target=broker.serve_forever, daemon=True)
+    serving.start()  # serving, so that stop() closes its sockets
+    try:
+        for protocol in protocols:
+            members = set(protocol.__annotations__) | {n for n, v in vars(protocol).items()
+                                                      if callable(v) and not n.startswith("_")}
+            assert members, protocol
+            assert [m for m in sorted(members) if not hasattr(broker, m)] == [], protocol.__name__
+    finally:
+        broker.stop()
+        serving.join(timeout=30)
+
+
+def test_every_package_in_the_tree_is_one_pyproject_installs():
+    """An explicit package list misses a new sub-package silently: an editable install
+    still finds it, a wheel does not (node/net/tcp/ was missing until this test)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    folders = project["tool"]["setuptools"]["package-dir"]
+    in_tree = set()
+    for package, folder in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            in_tree.add(".".join([package, *relative.parts]))
+    assert sorted(in_tree - listed) == []
+    assert sorted(listed - in_tree) == []

@@ -34,14 +34,14 @@ from typing import Any, Iterable
 import zmq
 
 from .. import wire
+from ..control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..net.emulator import LinkEmulator
 from ..net.network_spec import NetworkSpec
-from ..control import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from ..security import Admission, RunKeys
 from ..wire import CTL, Pid, WireError
 from .control_ops import BrokerControl
-from .network_changes import NetworkChanges
 from .membership import Membership
+from .network_changes import NetworkChanges
 from .routing import Router
 from .timebase import VirtualTimebase, WallTimebase
 

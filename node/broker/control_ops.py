@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import control, wire
 from ..control import QUIET_OPS
@@ -20,15 +19,36 @@ from ..security import token_matches
 from ..wire import Pid, WireError
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from ..net.emulator import LinkEmulator
+    from .broker import BrokerStats
+    from .membership import Membership
+    from .timebase import Timebase
 
 log = logging.getLogger("fedemu.broker")
+
+
+class ControlHost(Protocol):
+    """What BrokerControl uses of the broker that holds it: passed in, so this module
+    depends on these, not on the Broker."""
+
+    controllers: frozenset[str] | None
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    links: LinkEmulator
+    members: Membership
+    stats: BrokerStats
+    time: Timebase
+    token: str | None
+
+    def drop(self, reason: str, detail: str) -> None: ...
+    def send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None: ...
+    def stop(self) -> None: ...
 
 
 class BrokerControl:
     """The broker's handlers of control ops."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: ControlHost) -> None:
         self._broker = broker
 
     def handle(self, identity: bytes, header: wire.Header, msg: list, known: bool) -> None:

@@ -13,14 +13,26 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire import Pid, WireError
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from .network_changes import NetworkChanges
+    from .timebase import Timebase
 
 log = logging.getLogger("fedemu.broker")
+
+
+class MembershipHost(Protocol):
+    """What Membership uses of the broker that holds it: passed in, so this module
+    depends on these, not on the Broker."""
+
+    changes: NetworkChanges
+    heartbeat_timeout: float
+    time: Timebase
+
+    def send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None: ...
 
 
 @dataclass
@@ -33,7 +45,7 @@ class NodeInfo:
 class Membership:
     """The broker's nodes, names and link owners."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: MembershipHost) -> None:
         self._broker = broker
         self.nodes: dict[str, NodeInfo] = {}
         self.by_identity: dict[bytes, NodeInfo] = {}

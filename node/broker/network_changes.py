@@ -11,16 +11,27 @@ flight on links that went offline.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from ..wire import Pid
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from ..net.emulator import LinkEmulator
+    from .membership import Membership
+    from .timebase import Timebase
+
+
+class NetworkChangesHost(Protocol):
+    """What NetworkChanges uses of the broker that holds it: passed in, so this module
+    depends on these, not on the Broker."""
+
+    links: LinkEmulator
+    members: Membership
+    time: Timebase
 
 
 class NetworkChanges:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: NetworkChangesHost) -> None:
         self._broker = broker
         self._links = broker.links
 

@@ -11,7 +11,7 @@ clock, at quiescence in virtual time).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .. import wire
 from ..net.emulator import PENDING
@@ -21,11 +21,32 @@ from .timebase import Parcel
 from .vclock import sender_of
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from ..net.emulator import LinkEmulator
+    from .broker import BrokerStats
+    from .control_ops import BrokerControl
+    from .membership import Membership
+    from .timebase import Timebase
+
+
+class RouterHost(Protocol):
+    """What Router uses of the broker that holds it: passed in, so this module
+    depends on these, not on the Broker."""
+
+    control: BrokerControl
+    links: LinkEmulator
+    loop_now: float  # wall
+    max_message_bytes: int
+    members: Membership
+    stats: BrokerStats
+    time: Timebase
+
+    def drop(self, reason: str, detail: str) -> None: ...
+    def send(self, identity: bytes, msg: list, node: str) -> None: ...
+    def send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None: ...
 
 
 class Router:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: RouterHost) -> None:
         self._broker = broker
         self._members = broker.members
         self._links = broker.links

@@ -20,7 +20,7 @@ import collections
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
 
 from .. import wire
 from ..control import WORK_OPS
@@ -28,7 +28,9 @@ from ..wire import Hold, Pid, WireError
 from .vclock import VirtualScheduler
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from ..net.emulator import LinkEmulator
+    from .membership import Membership
+    from .network_changes import NetworkChanges
 
 log = logging.getLogger("fedemu.broker")
 
@@ -40,6 +42,19 @@ MAX_SEND_AGE_S = 1.0
 
 # The states of a message waiting in a pair's queue (Timebase.behind).
 WAITING, READY, LOST = "waiting", "ready", "lost"
+
+
+class TimebaseHost(Protocol):
+    """What the timebases use of the broker that holds them: passed in, so this module
+    depends on these, not on the Broker."""
+
+    changes: NetworkChanges
+    links: LinkEmulator
+    members: Membership
+
+    def apply(self, sender: Pid, sequence: int, kind: str, payload: Any) -> None: ...
+    def send_ctl(self, identity: bytes, dst: Pid, body: dict) -> None: ...
+    def send_to(self, node: str, msg: list) -> None: ...
 
 
 class Parcel(NamedTuple):
@@ -82,7 +97,7 @@ class Timebase:
 
     take_at_once = False  # whether what processes send takes effect at once (else at its place in the order)
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: TimebaseHost) -> None:
         self._broker = broker
         self._stash_ids = 0
         # Per (sender, receiver) pair with a copy still in a ``tcp`` connection, what it
@@ -220,7 +235,7 @@ class WallTimebase(Timebase):
     name = "wall"
     take_at_once = True
 
-    def __init__(self, broker: Broker, time_scale: float) -> None:
+    def __init__(self, broker: TimebaseHost, time_scale: float) -> None:
         super().__init__(broker)
         self._time_scale = time_scale
         self._t0 = time.monotonic()  # wall: the wall clock's origin
@@ -318,7 +333,7 @@ class WallTimebase(Timebase):
 class VirtualTimebase(Timebase):
     name = "virtual"
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: TimebaseHost) -> None:
         super().__init__(broker)
         self.scheduler = VirtualScheduler(self)
         self._wake_deadline = math.inf  # the scheduler's next look, in wall time
