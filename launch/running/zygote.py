@@ -191,6 +191,11 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (the nodes it forked have ended: LocalRun.stop)."""
+        try:
+            # shutdown, not only close: the reader thread blocked in recv holds the socket open.
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         try:
             self.proc.wait(5)
