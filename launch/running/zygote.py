@@ -31,7 +31,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .lifecycle import ZYGOTE_ENV, child_env
+from .lifecycle import STOP_SIGNALS, ZYGOTE_ENV, child_env, die_with_parent
 
 SWITCH_ENV = "FEDEMU_ZYGOTE"
 # What a node process imports, loaded once here; by name, as the zygote runs none of it.
@@ -115,7 +115,12 @@ class Zygote:
         self.sock = ours
         # Its own session (as every process of a run: LocalRun._start); no stdout: what
         # its imports print is replayed into each node's output (main).
-        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_CODE, str(theirs.fileno()), " " * TITLE_ROOM],
+        # The kernel's parent-death signal follows the thread that started a process: asked
+        # for only from the main thread (a sweep's points start runs from threads of their
+        # own). Either way the zygote ends when this process does and its socket closes.
+        with_parent = "1" if threading.current_thread() is threading.main_thread() else "0"
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_CODE, str(theirs.fileno()), with_parent,
+                                      " " * TITLE_ROOM],
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True, env=child_env())
@@ -241,6 +246,13 @@ def main() -> None:
     when the launcher's end closes (it exited, or was killed: the kernel closes it);
     in a child it runs ``fedemu.launch`` with the request's arguments."""
     sock = socket.socket(fileno=int(sys.argv[1]))
+    # A stop signal is the launcher's to act on (scancel, say, signals every process of a
+    # job): the zygote ends with the launcher, not before it, or its children would think
+    # their launcher gone (lifecycle.parent_died). Hence SIGKILL for its parent's death.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if sys.argv[2] == "1":
+        die_with_parent(signal.SIGKILL)  # at once, even mid-import: a launcher that stopped early leaves none
     _set_title([sys.executable, "-c", _ZYGOTE_CODE])
     try:
         imported = _preload(sock)
@@ -329,7 +341,11 @@ def _serve(sock: socket.socket, imported: bytes) -> dict | None:
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
+            # As a fresh interpreter has them.
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.close(wake_r)
             os.close(wake_w)
             sock.close()
