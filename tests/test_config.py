@@ -48,7 +48,7 @@ def test_integer_for_a_float_key_is_accepted():
 
 @pytest.mark.parametrize("override, message", [
     ("algorithm.X=1", "unknown key algorithm.X; [algorithm] has name, C, E, B"),
-    ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm, network"),
+    ("algo.C=1", "unknown section 'algo' (did you mean 'algorithm'?); sections are run, data, model, algorithm"),
     ("network.default_profile=6g", "network.default_profile = '6g' is not a profile; profiles are ideal, lan"),
     ("network.profiles.x.loss=2", "network.profiles.x.loss = 2 must be a probability in [0, 1]"),
     ("network.profiles.x.bandwidth=fast", "network.profiles.x.bandwidth = 'fast': use bytes/s or a number with a unit"),
@@ -79,7 +79,7 @@ def test_bad_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=f"{bad} is not valid TOML"):
         config.load(bad)
     bad.write_text("[netwerk]\nlatency_ms = 5")
-    with pytest.raises(ConfigError, match=r"unknown section \[netwerk\]; sections are run, data, model, algorithm, network"):
+    with pytest.raises(ConfigError, match=r"unknown section \[netwerk\] \(did you mean \[network\]\?\); sections are run, data, model, algorithm"):
         config.load(bad)
 
 
