@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fedemu.node import streams
 from fedemu.node.net.availability import parse_ids
 from fedemu.node.net.profiles import LinkConfigError
-from fedemu.node.schema import did_you_mean
+from fedemu.node.schema import did_you_mean, did_you_mean_key
 
 DISTRIBUTIONS = ("none", "fixed", "lognormal", "pareto", "classes")
 
@@ -41,7 +41,7 @@ class StragglerSpec:
         unknown = set(section) - allowed
         if unknown:
             key = sorted(unknown)[0]
-            raise LinkConfigError(f"unknown key {where}.{key}{did_you_mean(key, allowed, show=lambda k: f'{where}.{k}')}; "
+            raise LinkConfigError(f"unknown key {where}.{key}{did_you_mean_key(where, key, allowed)}; "
                                   f"[{where}] has {', '.join(sorted(allowed))}")
         dist = section.get("distribution", "none")
         if dist not in DISTRIBUTIONS:

@@ -87,3 +87,8 @@ def did_you_mean(word: Any, candidates: Iterable[str], show: Callable[[str], str
     ``show``, or "" when none is close: an error message says it right after the word."""
     match = close_match(word, candidates)
     return "" if match is None else f" (did you mean {show(match)}?)"
+
+
+def did_you_mean_key(where: str, key: Any, keys: Iterable[str]) -> str:
+    """:func:`did_you_mean` for an unknown ``key`` of the table ``where``, shown as ``where.key``."""
+    return did_you_mean(key, keys, show=lambda k: f"{where}.{k}")

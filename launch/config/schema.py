@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import re
 
-from fedemu.node.schema import (MAX_LEARNING_RATE, Key, did_you_mean, fraction, interval, non_negative, positive,
-                                unit_interval)
+from fedemu.node.schema import (MAX_LEARNING_RATE, Key, did_you_mean, did_you_mean_key, fraction, interval,
+                                non_negative, positive, unit_interval)
 
 
 def is_device_setting(value: str) -> bool:
@@ -235,8 +235,8 @@ def key_spec(section: str, key: str, config: dict) -> Key:
     keys = section_keys(section, config)
     spec = keys.get(key)
     if spec is None:
-        hint = did_you_mean(key, keys, show=lambda k: f"{section}.{k}")
-        raise ConfigError(f"unknown key {section}.{key}{hint}; [{section}] has {', '.join(keys)}")
+        raise ConfigError(f"unknown key {section}.{key}{did_you_mean_key(section, key, keys)}; "
+                          f"[{section}] has {', '.join(keys)}")
     return spec
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schema import did_you_mean
+from ..schema import did_you_mean, did_you_mean_key
 from ..streams import uniform
 from .availability import Availability, parse_ids
 from .links import Network
@@ -96,7 +96,7 @@ class NetworkSpec:
         unknown = set(section) - set(NETWORK_KEYS)
         if unknown:
             key = sorted(unknown)[0]
-            raise LinkConfigError(f"unknown key network.{key}{did_you_mean(key, NETWORK_KEYS, show=lambda k: f'network.{k}')}; "
+            raise LinkConfigError(f"unknown key network.{key}{did_you_mean_key('network', key, NETWORK_KEYS)}; "
                                   f"[network] has {', '.join(NETWORK_KEYS)}")
         seed = section.get("seed", run_seed)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -105,7 +105,8 @@ class NetworkSpec:
             raise LinkConfigError(f"run.time_scale = {time_scale!r} must be a number > 0")
         transport = section.get("transport", "tcp")
         if transport not in TRANSPORTS:
-            raise LinkConfigError(f"network.transport = {transport!r}{did_you_mean(transport, TRANSPORTS)} must be one of {', '.join(TRANSPORTS)} "
+            raise LinkConfigError(f"network.transport = {transport!r}{did_you_mean(transport, TRANSPORTS)} "
+                                  f"must be one of {', '.join(TRANSPORTS)} "
                                   "(how every profile's messages cross their links, unless the profile says)")
         buffer = section.get("server_buffer_bytes")
         if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 < buffer < 2**40):
@@ -249,8 +250,7 @@ def _availability(section: Any, num_clients: int, seed: int) -> Availability | N
     allowed = {"per_round", "clients", "windows", "leave", "on_off"}
     if set(section) - allowed:
         key = sorted(set(section) - allowed)[0]
-        raise LinkConfigError(f"unknown key network.dropout.{key}"
-                              f"{did_you_mean(key, allowed, show=lambda k: f'network.dropout.{k}')}; "
+        raise LinkConfigError(f"unknown key network.dropout.{key}{did_you_mean_key('network.dropout', key, allowed)}; "
                               f"[network.dropout] has {', '.join(sorted(allowed))}")
     if not section:
         return None
