@@ -287,3 +287,9 @@ def test_close_match_ignores_case_and_what_is_no_word():
     assert close_match(3, ["virtual", "wall"]) is None
     assert did_you_mean("fedavgg", ["fedavg", "fedsgd"]) == " (did you mean 'fedavg'?)"
     assert did_you_mean("zzz", ["fedavg", "fedsgd"]) == ""
+
+
+def test_a_bad_key_is_named_once():
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["algorithm.name=5"])
+    assert [str(e) for e in err.value.errors] == ["algorithm.name = 5 must be a string"]

@@ -28,8 +28,9 @@ def validate(config: dict, problems: Problems | None = None) -> None:
     for section in SCHEMA:
         values = config.get(section, {})
         for key, spec in section_keys(section, config).items():
-            with problems.collecting(f"{section}.{key}"):
-                _check_key(values, section, key, spec)
+            if problems.clear(f"{section}.{key}"):  # algorithm.name may be found bad already
+                with problems.collecting(f"{section}.{key}"):
+                    _check_key(values, section, key, spec)
     run = config["run"]
     if problems.clear("run.heartbeat_timeout_s", "run.heartbeat_interval_s") \
             and run["heartbeat_timeout_s"] < 2 * run["heartbeat_interval_s"]:
