@@ -390,3 +390,52 @@ use = ["compute"]
     bad.write_text(sweep_file.read_text().replace('["slow", "fast"]', '["slow", "missing"]'))
     with pytest.raises(Exception, match="missing does not exist"):
         expand(load_spec(bad))
+
+
+def test_converting_a_mahimahi_up_file_fills_only_the_uplink_and_a_pair_fills_both(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    up = mahimahi(tmp_path / "phone.up", [(10, 1)])
+    down = mahimahi(tmp_path / "phone.down", [(10, 2)])
+    out = tmp_path / "up.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", up, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert trace_files.read(out).fields() == {"up_bytes_per_s"}
+    result = CliRunner().invoke(main, ["traces", "stats", up, "--figure", str(tmp_path / "up.png")])
+    assert result.exit_code == 0, result.output
+    assert "uplink" in result.output and "downlink" not in result.output
+    # mm-link's pair: each file its own direction, merged into one entry per name.
+    both = tmp_path / "both.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", up, down, "-o", str(both)])
+    assert result.exit_code == 0, result.output
+    table = trace_files.read(both)
+    assert list(table.entries) == ["phone"]  # one phone, both its links
+    assert table.entries["phone"]["down_bytes_per_s"][1][0] == pytest.approx(2 * 1500 * 1000)
+    # A name that says no direction fills both, as before; --direction still decides.
+    other = mahimahi(tmp_path / "link.trace", [(10, 1)])
+    assert trace_files.read(other).fields() == {"up_bytes_per_s", "down_bytes_per_s"}
+    assert trace_files.read(up, mahimahi_fields=("down_bytes_per_s",)).fields() == {"down_bytes_per_s"}
+
+
+def test_a_constant_3_mbit_mahimahi_trace_converts_to_a_few_rows_of_3_mbit(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    # 3 Mbit/s = 250 packets of 1,500 B a second: one every 4 ms, for 4 s.
+    path = tmp_path / "flat.up"
+    path.write_text("".join(f"{t}\n" for t in range(4, 4001, 4)))
+    out = tmp_path / "flat.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", str(path), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    times, values = trace_files.read(out).entries["flat"]["up_bytes_per_s"]
+    assert len(times) <= 2  # one rate (and at most a short last window), not 1,000 bursts
+    assert values[0] * 8 / 1e6 == pytest.approx(3.0)
+    # The emulator's own 1 ms steps carry the same bytes over the period.
+    exact = RateTrace.from_mahimahi(open(path))
+    averaged = RateTrace.from_mahimahi(open(path), window_ms=100)
+    assert averaged.served(0, 4.0) == pytest.approx(exact.served(0, 4.0))
+    with pytest.raises(TraceError, match="averaging window"):
+        RateTrace.from_mahimahi(open(path), window_ms=0)
