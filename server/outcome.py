@@ -109,7 +109,8 @@ def no_answer_hint(round_: int, outcomes: list[str], deadline_s: float) -> tuple
     if straggled == n:
         return "deadline", (f"{head} within algorithm.deadline_s = {deadline_s:g} emulated s, so the model was kept; "
                             f"{deadline}")
-    parts = [f"{k} {what}" for k, what in ((offline, "were offline"), (failed, "lost a message on their link"),
+    parts = [f"{k} {what}" for k, what in ((offline, "was offline" if offline == 1 else "were offline"),
+                                           (failed, "lost a message on their link"),
                                            (straggled, "straggled (still training or uploading at the deadline)"))
              if k]
     advice = []

@@ -225,7 +225,7 @@ def test_a_deadline_that_cuts_every_client_is_named_once(tmp_path):
                                                     "7 were offline, 3 straggled",
                                                     "for the 3 that straggled, if their training",
                                                     "for the 7 offline, a longer deadline would not help"], []),
-    (["offline", "failed_transfer"], "mixed", ["1 were offline, 1 lost a message on their link",
+    (["offline", "failed_transfer"], "mixed", ["1 was offline, 1 lost a message on their link",
                                                "loss and queue settings"], ["raise algorithm.deadline_s"]),
 ])
 def test_a_round_nobody_answered_is_hinted_by_its_clients_outcomes(outcomes, cause, says, not_says):
@@ -520,7 +520,7 @@ def test_hints_on_a_traced_population_name_the_outcomes_of_its_rounds(tmp_path):
             assert "every selected client was offline" in message and "raise algorithm.deadline_s" not in message
         elif c["offline"]:
             forms.add("mixed")
-            assert f"{c['offline']} were offline" in message and f"{c['straggler']} straggled" in message
+            assert f"{c['offline']} {'was' if c['offline'] == 1 else 'were'} offline" in message and f"{c['straggler']} straggled" in message
         else:
             assert "raise algorithm.deadline_s" in message and "offline" not in message
         assert message in done.stdout  # the console prints it
