@@ -19,6 +19,9 @@ from fedemu.node.net.trace_files import RATE_FIELDS, TraceTable
 from fedemu.node.net.traces import TraceError
 
 FORMAT_CHOICE = click.Choice(["auto", *trace_files.FORMATS])
+# convert's averaging window for Mahimahi traces: a packet is 1,500 bytes, so 1 ms steps
+# alternate between 12 Mbit/s bursts and nothing; 100 ms gives a rate to 0.12 Mbit/s.
+MAHIMAHI_WINDOW_MS = 100
 
 
 @click.group("traces")
@@ -31,13 +34,17 @@ def traces() -> None:
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The fedemu CSV to write.")
 @click.option("--format", "fmt", type=FORMAT_CHOICE, default="auto", show_default=True,
               help="The inputs' format (auto: told by their content).")
-@click.option("--direction", type=click.Choice(["up", "down", "both"]), default="both", show_default=True,
-              help="Mahimahi inputs: the link(s) they describe.")
-def convert(inputs: tuple[str, ...], out: str, fmt: str, direction: str) -> None:
+@click.option("--direction", type=click.Choice(["auto", "up", "down", "both"]), default="auto", show_default=True,
+              help="Mahimahi inputs: the link(s) they describe (auto: a file named *.up the uplink, *.down the "
+                   "downlink, any other both).")
+@click.option("--window-ms", type=click.IntRange(min=1), default=MAHIMAHI_WINDOW_MS, show_default=True,
+              help="Mahimahi inputs: the rate written is the delivery opportunities' averaged over windows of "
+                   "this many ms (equal consecutive windows merge into one row).")
+def convert(inputs: tuple[str, ...], out: str, fmt: str, direction: str, window_ms: int) -> None:
     """Convert trace files (FedScale pickles, Mahimahi traces, fedemu CSVs) into one fedemu CSV."""
-    fields = {"up": ("up_bytes_per_s",), "down": ("down_bytes_per_s",), "both": RATE_FIELDS}[direction]
+    fields = {"auto": None, "up": ("up_bytes_per_s",), "down": ("down_bytes_per_s",), "both": RATE_FIELDS}[direction]
     try:
-        merged = merge([trace_files.read(path, fmt, fields) for path in inputs])
+        merged = merge([trace_files.read(path, fmt, fields, window_ms) for path in inputs])
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     tmp = Path(out).with_name(Path(out).name + ".tmp")
