@@ -490,3 +490,41 @@ def test_the_readmes_trace_example_runs_as_written(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout
     assert "end: completed after 2 rounds" in done.stdout, done.stdout
+
+
+def labelled_ticks(ax) -> list[str]:
+    """The x tick labels shown inside the axes' limits (after a draw)."""
+    lo, hi = sorted(ax.get_xlim())
+    return [t.get_text() for t, v in zip(ax.get_xticklabels(), ax.get_xticks()) if t.get_text() and lo <= v <= hi]
+
+
+@pytest.mark.parametrize("computation, communication", [
+    ((20.0, 40.0), (1000.0, 500.0)),  # under a decade: a log axis showed the one label "10¹"
+    ((2.0, 400.0), (30.0, 20000.0)),  # over two decades: log, labelled
+])
+def test_the_stats_figure_labels_at_least_two_ticks_on_each_distribution_axis(tmp_path, computation, communication):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+    from fedemu.launch.studies import traces_cli
+
+    devices = fedscale_devices(tmp_path / "client_device_capacity",
+                               {k + 1: {"computation": c, "communication": b}
+                                for k, (c, b) in enumerate(zip(computation, communication))})
+    out = tmp_path / "population.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", devices, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    fig = traces_cli.stats_figure(traces_cli.summary(trace_files.read(str(out), "auto")))
+    try:
+        fig.canvas.draw()
+        panels = [ax for ax in fig.axes if ax.get_xlabel().startswith(("mean rate", "training"))]
+        assert len(panels) == 2
+        for ax in panels:
+            assert len(labelled_ticks(ax)) >= 2, (ax.get_xlabel(), ax.get_xscale(), labelled_ticks(ax))
+            # every drawn point lies inside the axes
+            lo, hi = ax.get_xlim()
+            for line in ax.get_lines():
+                xs = np.asarray(line.get_xdata(), dtype=float)
+                assert lo <= xs.min() and xs.max() <= hi
+    finally:
+        fig.clf()

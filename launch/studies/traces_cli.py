@@ -158,9 +158,19 @@ def stats(file: str, fmt: str, figure: str | None) -> None:
 
 
 def draw(s: dict, out: Path) -> None:
+    """The figure of ``stats_figure`` as a PNG at ``out``."""
+    fig = stats_figure(s)
+    fig.savefig(out, dpi=110)
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def stats_figure(s: dict):
+    """The rates, compute and availability of a ``summary``, a panel each; returns the Figure."""
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
@@ -178,21 +188,22 @@ def draw(s: dict, out: Path) -> None:
             ax.set_ylabel(f"rate (Mbit/s, mean over {step * 1000:g} ms)")
             ax.set_ylim(bottom=0)
         elif panel == "rates":
+            drawn = [s[name] * 8e-6 for name in RATE_FIELDS if name in s]
             for name, style in zip(RATE_FIELDS, ("-", "--")):  # dashed: the downlink, often the uplink's equal
                 if name in s:
                     _cdf(ax, s[name] * 8e-6, name[:-len("_bytes_per_s")] + "link", style)
             ax.set_xlabel("mean rate per entry (Mbit/s)")
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            _spread_axis(ax, np.concatenate(drawn))
         elif panel == "compute":
             if "example_s" in s:
-                _cdf(ax, s["example_s"] * 1e3, "ms per example")
+                drawn = s["example_s"] * 1e3
+                _cdf(ax, drawn, "ms per example")
                 ax.set_xlabel("training time per example (ms)")
             else:
-                _cdf(ax, s["flops"] * 1e-9, "GFLOP/s")
+                drawn = s["flops"] * 1e-9
+                _cdf(ax, drawn, "GFLOP/s")
                 ax.set_xlabel("training speed (GFLOP/s)")
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels between decades
+            _spread_axis(ax, drawn)
         else:
             grid, share = s["online_over_time"]
             hours = s["span_s"] > 4 * 3600
@@ -207,8 +218,23 @@ def draw(s: dict, out: Path) -> None:
     fig.suptitle(f"{Path(s['source']).name}: {s['entries']} {'entry' if s['entries'] == 1 else 'entries'}",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _spread_axis(ax, values: np.ndarray) -> None:
+    """A log x axis where the values span a decade or more, labelled at 1, 2 and 5 of
+    each decade as plain numbers; a linear one otherwise (a log axis under a decade
+    shows one labelled tick, or none)."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
+    import matplotlib.ticker
+
+    values = values[np.isfinite(values) & (values > 0)]
+    if not len(values) or values.max() < 10 * values.min():
+        return
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels between the 1-2-5 ones
 
 
 def _cdf(ax, values: np.ndarray, label: str, style: str = "-") -> None:
