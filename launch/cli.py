@@ -94,14 +94,17 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
-    """Validate a config without running it; print the resolved config."""
+    """Validate a config without running it; print the resolved config, or every problem
+    found in it (exit status 2)."""
     # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from . import config as configuration
 
     try:
         config = configuration.load(config_file, list(overrides))
-    except configuration.ConfigError as exc:
-        raise _config_error(exc) from None
+    except configuration.ConfigError as exc:  # every problem, each on its line
+        error = _config_error(exc)
+        error.exit_code = 2  # a bad config, as a bad command line exits
+        raise error from None
     click.echo(configuration.to_toml(_as_it_runs(config)))
     for finding in configuration.findings(config):  # what is left is a risk the user accepted
         click.echo(f"warning ({finding.rule}, accepted): {finding.message}")

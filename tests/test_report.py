@@ -97,7 +97,9 @@ def test_report_on_runs_writes_figures_and_a_table(tmp_path):
     lines = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| a") or line.startswith("| b")}
     # Labelled by what differs; the running one is marked; time to 85%: round 2.5 for a.
     assert "| fedavg | completed | 3 | 90.00 | 90.00 |" in lines["a"]
-    assert "| 2.5 | 5.0 | 5.0 |" in lines["a"]
+    assert "| 3 | 2.5 | 5.0 | 5.0 |" in lines["a"]  # the first round at 85%, then the interpolated figures
+    assert ("| first round at 85% | rounds to 85% (interpolated) | emulated s to 85% (interpolated) "
+            "| MB up to 85% (interpolated) |") in md
     assert "| fsvrg | running | 4 | 75.00 |" in lines["b"] and lines["b"].rstrip().endswith("| – | – | – |")
     assert "![accuracy-vs-emulated-time](accuracy-vs-emulated-time.png)" in md
     svg = (out / "accuracy-vs-emulated-time.svg").read_text()

@@ -143,6 +143,14 @@ def time_to_target(x: np.ndarray, accuracy: np.ndarray, target: float) -> float 
     return float(x[i - 1] + frac * (x[i] - x[i - 1]))
 
 
+def first_round_reaching(c: Curve, target: float) -> int | None:
+    """The first evaluated round whose accuracy reached ``target`` (what the launcher's
+    "reached target accuracy ... in round N" names), beside time_to_target's
+    interpolated figure; None if never reached."""
+    hit = np.flatnonzero(np.asarray(c.accuracy, dtype=float) >= target)
+    return int(c.rounds[hit[0]]) if hit.size else None
+
+
 def times_to_target(c: Curve, target: float) -> dict[str, float | None]:
     return {attr: time_to_target(getattr(c, attr), c.accuracy, target) for attr, *_ in X_AXES}
 
