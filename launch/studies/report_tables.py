@@ -26,13 +26,9 @@ def run_rows(runs: list[RunRecord], target: float, keys: list[str]) -> list[list
                      _cell(final * 100 if final is not None else None), _cell(best * 100 if best is not None else None),
                      _cell(r.curve.mb_up[-1] if len(r.curve) else None, 1),
                      _cell(r.curve.emulated_s[-1] if len(r.curve) else None, 1),
-                     *([_round(first_round_reaching(r.curve, target)), _cell(tt["rounds"], 1),
+                     *([_cell(first_round_reaching(r.curve, target), 0), _cell(tt["rounds"], 1),
                         _cell(tt["emulated_s"], 1), _cell(tt["mb_up"], 1)] if target else [])])
     return rows
-
-
-def _round(v: int | None) -> str:
-    return "–" if v is None else str(v)
 
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:
