@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -284,11 +285,14 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
     # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.lifecycle import die_with_parent, retain_freed_memory
     from .running.nodes import run_server_node, run_worker_node, setup_logging
+    from .running.zygote import forked_from
 
     die_with_parent()  # a launcher (or host agent) killed outright takes its nodes with it
     retain_freed_memory()
     name = "server" if role == "server" else f"worker-{index}"
     setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
+    if forked_from():  # which way it started, for the reader of its log (and the tests)
+        logging.getLogger("fedemu.launch").info("%s forked from the zygote (pid %s)", name, forked_from())
     if role == "server":
         sys.exit(run_server_node(broker_addr, run_dir, workers, keys_file, token_file))
     sys.exit(run_worker_node(broker_addr, run_dir, index, workers, keys_file, token_file))
