@@ -94,6 +94,14 @@ def test_runs_differing_in_more_than_seed_and_fold_are_refused(tmp_path):
     assert results[0].p_a > 0.99
 
 
+def test_a_comparison_of_several_inputs_asks_where_to_write(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = make_runs(tmp_path / "runs")
+    result = CliRunner().invoke(main, ["compare", *map(str, runs)])
+    assert result.exit_code == 1 and "choose one with -o/--out" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing written in the current folder
+
+
 def test_unpaired_or_single_groups_are_refused(tmp_path):
     dirs = make_runs(tmp_path, names=("fedavg", "fsvrg"))
     with pytest.raises(compare.CompareError, match=r"not run on the same \(seed, fold\) pairs; missing: fsvrg: \[\(3, 4\)\]"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,6 +350,10 @@ def test_convert_merges_fedscales_two_files_into_one_csv_that_means_the_same(tmp
     assert "2 entries (2 repeating), span 60 s" in result.output
     assert "compute, ms per training example: min 60" in result.output
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Without --figure it is drawn beside the trace, whatever the current folder.
+    result = CliRunner().invoke(main, ["traces", "stats", str(out)])
+    assert result.exit_code == 0 and f"figure: {out}.stats.png" in result.output
+    assert Path(f"{out}.stats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_convert_refuses_an_unsafe_pickle_naming_it_and_writes_nothing(tmp_path):
@@ -467,7 +472,6 @@ def test_the_readmes_trace_example_runs_as_written(tmp_path):
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
@@ -483,7 +487,7 @@ def test_the_readmes_trace_example_runs_as_written(tmp_path):
         done = subprocess.run(fedemu + argv[1:], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=120)
         assert done.returncode == 0, (line, done.stdout)
-    assert trace_files.read(tmp_path / "population.csv").fields() >= {"example_s", "online", "up_bytes_per_s"}
+    assert trace_files.read(tmp_path / "runs" / "population.csv").fields() >= {"example_s", "online", "up_bytes_per_s"}
     (tmp_path / "traces.toml").write_text(toml)
     done = subprocess.run(fedemu + ["launch", "traces.toml", "--out", "run", "--workers", "1", "--set", "run.rounds=2"],
                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

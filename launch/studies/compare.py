@@ -32,7 +32,8 @@ from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
 from .results import (
-    ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, flat, is_sweep, load_record, load_run, load_sweep, time_to_target,
+    ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, default_folder, flat, is_sweep, load_record, load_run, load_sweep,
+    time_to_target,
 )
 
 
@@ -399,10 +400,7 @@ def run(paths: list[str | Path], *, by: str = ALGORITHM_KEY, metric: str = "fina
     results, names, note = compare(collect(paths, where), by, metric, rope, target, unreached)
     rope = results[0].rope
     text = render(results, names, note, by, metric, rope, decide, target)
-    if out is None:
-        first = Path(paths[0])
-        out = first / "compare" if is_sweep(first) else Path("compare")
-    out = Path(out)
+    out = Path(out) if out is not None else default_folder(paths, "compare")
     out.mkdir(parents=True, exist_ok=True)
     figures = plot_posteriors(results, rope, out, formats, metric, target)
     pngs = [f"![posteriors]({p.name})" for p in figures if p.suffix == ".png"]

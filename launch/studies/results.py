@@ -277,6 +277,16 @@ def is_sweep(path: Path) -> bool:
     return (path / "sweep.db").exists()
 
 
+def default_folder(paths: list[str | Path], name: str) -> Path:
+    """Where a study's output goes unless told: under the one run or sweep it is about
+    (RUN/report, SWEEP/compare), never the current folder, where the next one would
+    overwrite it. Several inputs have no such home, so the caller must choose."""
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        return Path(paths[0]) / name
+    raise ReportError(f"{len(paths)} inputs have no one folder for the {name}: choose one with -o/--out "
+                      f"(a single run or sweep gets its own, e.g. RUN/{name})")
+
+
 def load_sweep(path: str | Path) -> SweepData:
     path = Path(path)
     db = sqlite3.connect(f"file:{path / 'sweep.db'}?mode=ro", uri=True)

@@ -48,6 +48,7 @@ def convert(inputs: tuple[str, ...], out: str, fmt: str, direction: str, window_
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     tmp = Path(out).with_name(Path(out).name + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)  # -o runs/population.csv before any run made runs/
     with open(tmp, "w", newline="") as f:
         rows = trace_files.write_csv(merged, f)
     tmp.replace(out)  # a reader never sees half a file
@@ -128,7 +129,7 @@ def _quantiles(values: np.ndarray, scale: float = 1.0) -> str:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=FORMAT_CHOICE, default="auto", show_default=True)
 @click.option("--figure", type=click.Path(dir_okay=False),
-              help="Where to draw it (PNG); default: FILE's name + .stats.png in the current directory.")
+              help="Where to draw it (PNG); default: FILE.stats.png, beside FILE.")
 def stats(file: str, fmt: str, figure: str | None) -> None:
     """Summarise a trace file: entries, time span, the distribution of rates, compute
     and availability; and a figure of them."""
@@ -152,7 +153,8 @@ def stats(file: str, fmt: str, figure: str | None) -> None:
         grid, share = s["online_over_time"]
         click.echo(f"  share of time online (each entry): {_quantiles(s['online_share'])}")
         click.echo(f"  entries online at once: mean {share.mean():.3f}, min {share.min():.3f}, max {share.max():.3f}")
-    out = Path(figure) if figure else Path(Path(file).name + ".stats.png")
+    # Beside the trace, as a report goes under its run: not wherever the command ran.
+    out = Path(figure) if figure else Path(file + ".stats.png")
     draw(s, out)
     click.echo(f"  figure: {out}")
 
