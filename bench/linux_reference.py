@@ -80,7 +80,10 @@ class Link:
         self.buffer = cfg["buffer"]
         self.loss = cfg.get("loss", 0.0) if cfg.get("loss_dirs", [0]).count(direction) else 0.0
         self.rng = np.random.default_rng([52, cfg.get("seed", 1), direction])
-        self.drop = set(cfg.get("drop", [])) if direction == 0 else set()
+        self.drop = set(cfg.get(("drop", "drop_back")[direction], []))
+        # A message's segments are numbered from its first byte, as the model's are.
+        self.message = cfg.get("message_bytes", 1 << 62)
+        self.nseg = -(-self.message // MSS)
         self.isn, self.highest = None, 0
         self.busy_until = 0.0
         self.backlog = collections.deque()  # (finish, size) of packets queued or in service
@@ -104,7 +107,7 @@ class Link:
         offset = (seq - self.isn - 1) % (1 << 32)
         if offset >= self.highest:  # a first transmission
             self.highest = offset + payload
-            index = offset // MSS
+            index = (offset // self.message) * self.nseg + (offset % self.message) // MSS
             if index in self.drop:
                 self.drop.discard(index)
                 return True
@@ -422,15 +425,19 @@ def link_cfg(p: dict, **extra) -> dict:
     return cfg
 
 
-def model_long_lived(p: dict, rounds: int, idle: list[float], loss: float, seed: int) -> list[tuple[float, float]]:
+def model_long_lived(p: dict, rounds: int, idle: list[float], loss: float, seed: int,
+                     drops: tuple[list[int], list[int]] | None = None) -> list[tuple[float, float]]:
     """The model's long-lived connection doing what the Linux client and server do: each
-    round an upload, the download as soon as it is in, then the same idle time."""
+    round an upload, the download as soon as it is in, then the same idle time; its own
+    random ``loss``, or the forced ``drops`` (upload, download) the forwarder made."""
     from fedemu.node.net import tcp
     from fedemu.node.net.profiles import DOWN, UP
     from transport_fidelity import profile_of
 
     lossy = profile_of(p, loss=loss) if loss else profile_of(p)
     transport = tcp.TcpTransport(seed, lambda link, direction: lossy, {}, {})
+    if drops:
+        transport.forced_losses[(0, UP)], transport.forced_losses[(0, DOWN)] = set(drops[0]), set(drops[1])
 
     def wait_for(token) -> float:
         while (t := transport.next_arrival()) < float("inf"):
@@ -459,7 +466,7 @@ def load() -> str:
 
 def calibrate(lab: Lab) -> list[dict]:
     rows = []
-    for rate_mbit, latency in [(1, 20), (12, 20), (50, 20), (100, 20), (200, 20)]:
+    for rate_mbit, latency in [(1, 20), (12, 20), (50, 20), (100, 20), (200, 20), (500, 20), (1000, 20)]:
         cfg = dict(rate=rate_mbit * MBIT, latency_ms=latency, buffer=2_000_000)
         idle, idle_links = lab.ping(cfg, 20, 56)
         full, full_links = lab.ping(cfg, 20, 1472)
@@ -527,7 +534,15 @@ def run_single(lab: Lab, seeds: int, repeats: int) -> list[dict]:
     return rows
 
 
-def run_long_lived(lab: Lab, seeds: int, rounds: int = 5) -> list[dict]:
+def long_lived_losses(p: dict, rounds: int, loss: float, seed: int) -> tuple[list[int], list[int]]:
+    """Which segments of the upload and the download streams lose their first
+    transmission (segments numbered per message from its first byte, as the model's)."""
+    nseg = -(-p["size"] // MSS)
+    return tuple([int(i) for i in np.flatnonzero(np.random.default_rng([52, seed, d, 2]).random(rounds * nseg) < loss)]
+                 for d in (0, 1))
+
+
+def run_long_lived(lab: Lab, seeds: int, own_loss: bool, rounds: int = 5) -> list[dict]:
     from transport_fidelity import UPDATE, point
     p = point(12, 35, UPDATE)  # `lte`
     rows = []
@@ -535,7 +550,12 @@ def run_long_lived(lab: Lab, seeds: int, rounds: int = 5) -> list[dict]:
         per_seed = []
         for seed in range(1, (seeds if loss else 1) + 1):
             idle = [float(x) for x in np.random.default_rng([52, seed, 1]).uniform(0.5, 5.0, rounds - 1)]
-            lab.start_forwarder(link_cfg(p, loss=loss, loss_dirs=[0, 1], seed=seed))
+            if own_loss:
+                cfg, drops = link_cfg(p, loss=loss, loss_dirs=[0, 1], seed=seed), None
+            else:
+                drops = long_lived_losses(p, rounds, loss, seed)
+                cfg = link_cfg(p, drop=drops[0], drop_back=drops[1], message_bytes=p["size"])
+            lab.start_forwarder(cfg)
             common = ["--bytes", str(p["size"]), "--rounds", str(rounds), "--deadline", "300"]
             server = lab.spawn(1, "--role", "server", *common)
             server.stdout.readline()
@@ -543,7 +563,7 @@ def run_long_lived(lab: Lab, seeds: int, rounds: int = 5) -> list[dict]:
             s, c = lab.collect(server, 300), lab.collect(client, 300)
             links = lab.stop_forwarder()
             linux = [(s["up_done"][r] - c["up_start"][r], c["down_done"][r] - s["down_start"][r]) for r in range(rounds)]
-            fed = model_long_lived(p, rounds, idle, loss, seed)
+            fed = model_long_lived(p, rounds, idle, loss if own_loss else 0.0, seed, drops)
             per_seed.append((linux, fed))
             print(f"[longlived] loss {loss:.0%} seed {seed}: idle {[round(x, 2) for x in idle]}; linux "
                   f"{[(round(u, 3), round(d, 3)) for u, d in linux]}; model {[(round(u, 3), round(d, 3)) for u, d in fed]}; "
@@ -553,7 +573,7 @@ def run_long_lived(lab: Lab, seeds: int, rounds: int = 5) -> list[dict]:
                 lin = statistics.median(ls[r][k] for ls, _ in per_seed)
                 fed = statistics.median(fs[r][k] for _, fs in per_seed)
                 ratios = [fs[r][k] / ls[r][k] for ls, fs in per_seed]
-                rows.append(dict(block="longlived", point=f"`lte`, loss {loss:.0%}, round {r + 1} {way}",
+                rows.append(dict(block="longlived", point=f"`lte`, loss {loss:.0%}{' (own)' if own_loss else ' (paired)' if loss else ''}, round {r + 1} {way}",
                                  linux_s=lin, model_s=fed, ratio=fed / lin, ratio_range=[min(ratios), max(ratios)],
                                  ok=abs(fed / lin - 1) <= (0.25 if loss else 0.10), load=load()))
                 print(row_text(rows[-1]), file=sys.stderr)
@@ -594,6 +614,8 @@ def main() -> int:
     parser.add_argument("--parts", nargs="+", default=["calibrate", "single", "longlived"],
                         choices=["calibrate", "single", "longlived"])
     parser.add_argument("--seeds", type=int, default=5, help="seeds a lossy point runs (paired losses)")
+    parser.add_argument("--own-loss", action="store_true",
+                        help="long-lived: each its own Bernoulli loss (default: the same losses in both)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of a loss-free point (median)")
     parser.add_argument("--json", default=str(HERE / "results" / "linux-reference.json"))
     args = parser.parse_args()
@@ -624,7 +646,7 @@ def main() -> int:
             if "single" in args.parts:
                 results["single"] = run_single(lab, args.seeds, args.repeats)
             if "longlived" in args.parts:
-                results["longlived"] = run_long_lived(lab, args.seeds)
+                results["longlived"] = run_long_lived(lab, args.seeds, args.own_loss)
     except KeyboardInterrupt:
         print("interrupted; namespaces and processes removed", file=sys.stderr)
         return 130
