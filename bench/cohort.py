@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from process_tree import adopt_orphans, children_cpu_s, reap_orphans
 
 RUN_TIMEOUT_S = 3600
 
@@ -50,11 +51,6 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) of every finished descendant so far: a job's own work,
-    whatever else the machine runs (a loaded machine stretches wall time, not this)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 # --- the plain loop (a subprocess: `cohort.py --plain-loop JOB`) ------------------------------
@@ -147,7 +143,9 @@ def run_fedemu(job: str, rounds: int, cohort: str, run_dir: Path) -> dict:
         argv += ["--set", override]
     began, cpu = time.monotonic(), children_cpu_s()
     out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
-    wall, cpu = time.monotonic() - began, children_cpu_s() - cpu
+    wall = time.monotonic() - began
+    reap_orphans()  # the zygote and its nodes' CPU (process_tree)
+    cpu = children_cpu_s() - cpu
     rounds_seen = [e for e in read_events(run_dir) if e["event"] == "round"]
     if out.returncode != 0 or len(rounds_seen) != rounds:
         raise RuntimeError(f"fedemu launch failed ({out.returncode}):\n{out.stdout[-3000:]}")
@@ -224,6 +222,7 @@ def main() -> None:
     if args.plain_loop:
         json.dump(plain_loop(args.plain_loop, args.rounds), sys.stdout)
         return
+    adopt_orphans()
     if args.engine:
         load = load_average()
         rows = engine(args.repeats)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fedemu.node import streams
 from fedemu.node.net.availability import parse_ids
 from fedemu.node.net.profiles import LinkConfigError
+from fedemu.node.schema import did_you_mean, did_you_mean_key
 
 DISTRIBUTIONS = ("none", "fixed", "lognormal", "pareto", "classes")
 
@@ -39,10 +40,13 @@ class StragglerSpec:
         allowed = {"distribution", "factor", "sigma", "alpha", "classes", "clients", "per_round"}
         unknown = set(section) - allowed
         if unknown:
-            raise LinkConfigError(f"unknown key {where}.{sorted(unknown)[0]}; [{where}] has {', '.join(sorted(allowed))}")
+            key = sorted(unknown)[0]
+            raise LinkConfigError(f"unknown key {where}.{key}{did_you_mean_key(where, key, allowed)}; "
+                                  f"[{where}] has {', '.join(sorted(allowed))}")
         dist = section.get("distribution", "none")
         if dist not in DISTRIBUTIONS:
-            raise LinkConfigError(f"{where}.distribution = {dist!r}: choose one of {', '.join(DISTRIBUTIONS)}")
+            raise LinkConfigError(f"{where}.distribution = {dist!r}{did_you_mean(dist, DISTRIBUTIONS)}: "
+                                  f"choose one of {', '.join(DISTRIBUTIONS)}")
 
         def number(key: str, default: float, low: float, rule: str) -> float:
             value = section.get(key, default)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -93,14 +94,17 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
 @click.argument("config_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
-    """Validate a config without running it; print the resolved config."""
+    """Validate a config without running it; print the resolved config, or every problem
+    found in it (exit status 2)."""
     # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from . import config as configuration
 
     try:
         config = configuration.load(config_file, list(overrides))
-    except configuration.ConfigError as exc:
-        raise _config_error(exc) from None
+    except configuration.ConfigError as exc:  # every problem, each on its line
+        error = _config_error(exc)
+        error.exit_code = 2  # a bad config, as a bad command line exits
+        raise error from None
     click.echo(configuration.to_toml(_as_it_runs(config)))
     for finding in configuration.findings(config):  # what is left is a risk the user accepted
         click.echo(f"warning ({finding.rule}, accepted): {finding.message}")
@@ -281,11 +285,14 @@ def node(role: str, broker_addr: str, run_dir: Path, workers: int, index: int, k
     # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from .running.lifecycle import die_with_parent, retain_freed_memory
     from .running.nodes import run_server_node, run_worker_node, setup_logging
+    from .running.zygote import forked_from
 
     die_with_parent()  # a launcher (or host agent) killed outright takes its nodes with it
     retain_freed_memory()
     name = "server" if role == "server" else f"worker-{index}"
     setup_logging(None if log_stream else run_dir, name, stream_info=log_stream)
+    if forked_from():  # which way it started, for the reader of its log (and the tests)
+        logging.getLogger("fedemu.launch").info("%s forked from the zygote (pid %s)", name, forked_from())
     if role == "server":
         sys.exit(run_server_node(broker_addr, run_dir, workers, keys_file, token_file))
     sys.exit(run_worker_node(broker_addr, run_dir, index, workers, keys_file, token_file))

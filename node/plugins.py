@@ -9,6 +9,8 @@ import importlib
 from importlib import metadata
 from typing import Any, Callable
 
+from .schema import did_you_mean
+
 
 class PluginNotFound(ValueError):
     pass
@@ -32,7 +34,8 @@ def load(name: str, what: str, group: str, form: str, built_in: list[str]) -> An
     found = [ep for ep in metadata.entry_points(group=group) if ep.name == name]
     if not found:
         others = installed(group)
-        raise PluginNotFound(f"unknown {what} {name!r}: fedemu has {', '.join(built_in)}"
+        raise PluginNotFound(f"unknown {what} {name!r}{did_you_mean(name, [*built_in, *others])}: "
+                             f"fedemu has {', '.join(built_in)}"
                              + (f"; installed plug-ins: {', '.join(others)}" if others else "")
                              + f"; a plug-in is named 'package.module:{form}' or installed under the {group!r} "
                              "entry points")

@@ -5,10 +5,11 @@ so one validator can name any bad key and what it accepts. It lives at the botto
 layer because every layer above may declare options."""
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,27 @@ def _bound(text: str) -> float:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"an interval's bounds are finite, not {text!r}")
     return value
+
+
+def close_match(word: Any, candidates: Iterable[str]) -> str | None:
+    """The candidate ``word`` most likely misspells (difflib's ratio, ignoring case), or
+    None when none is close: what a "did you mean" names."""
+    if not isinstance(word, str):
+        return None
+    by_folded = {}
+    for candidate in candidates:
+        by_folded.setdefault(str(candidate).casefold(), str(candidate))
+    found = difflib.get_close_matches(word.casefold(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[found[0]] if found and by_folded[found[0]] != word else None
+
+
+def did_you_mean(word: Any, candidates: Iterable[str], show: Callable[[str], str] = repr) -> str:
+    """`` (did you mean X?)`` for the candidate ``word`` most likely misspells, shown by
+    ``show``, or "" when none is close: an error message says it right after the word."""
+    match = close_match(word, candidates)
+    return "" if match is None else f" (did you mean {show(match)}?)"
+
+
+def did_you_mean_key(where: str, key: Any, keys: Iterable[str]) -> str:
+    """:func:`did_you_mean` for an unknown ``key`` of the table ``where``, shown as ``where.key``."""
+    return did_you_mean(key, keys, show=lambda k: f"{where}.{k}")

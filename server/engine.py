@@ -94,6 +94,7 @@ class _Totals:
     aggregations: int = 0  # model updates applied: rounds that aggregated, or merges
     asked: set = field(default_factory=set)  # clients ever asked to train (or started)
     straggled: int = 0  # replies past a deadline, over all rounds
+    offline: int = 0  # of those, the ones whose device was offline (timeline.OUTCOMES)
     accuracy: float | None = None
     best_accuracy: float | None = None
     reached_target_round: int | None = None
@@ -258,8 +259,8 @@ class Engine:
     def _what_became_of_the_replies(self) -> str:
         """For a run that aggregated nothing: what its clients' replies came to."""
         t = self.totals
-        return (f"{t.uploads:,} replies in time, {t.straggled:,} after the deadline, {len(t.faults):,} clients lost, "
-                f"over {t.rounds:,} rounds")
+        late = f"{t.straggled:,} not in by the deadline" + (f" ({t.offline:,} of them offline)" if t.offline else "")
+        return f"{t.uploads:,} replies in time, {late}, {len(t.faults):,} clients lost, over {t.rounds:,} rounds"
 
     def _every_client_lost(self) -> str:
         """The reason of a run that has no client left."""

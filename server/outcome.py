@@ -83,3 +83,43 @@ def nothing_aggregated(reason: str, asked: set[int], faults: list[dict], detail:
         return "failed", (f"no client answered: every client asked ({len(asked):,}) was lost before it could; "
                           f"{losses(faults)}")
     return "completed", f"{reason}; nothing was aggregated, the final model is the initial one ({detail})"
+
+
+def no_answer_hint(round_: int, outcomes: list[str], deadline_s: float) -> tuple[str, str] | None:
+    """What to say of a round in which no selected client answered (``outcomes``: each
+    unanswered one's, timeline.OUTCOMES), naming the cause the emulator knows rather
+    than the server's view, where an offline device looks like a straggler: a longer
+    deadline helps only clients that straggled. Returns (cause, message), the cause
+    "offline", "deadline" or "mixed"; None if none straggled, went offline or lost a
+    message (the lost ones have fault events of their own)."""
+    counts = collections.Counter(outcomes)
+    offline, straggled, failed = counts["offline"], counts["straggler"], counts["failed_transfer"]
+    n = offline + straggled + failed
+    if not n:
+        return None
+    head = f"round {round_}: none of the {n} selected clients answered"
+    offline_help = ("their devices' availability comes from network.traces, network.dropout or "
+                    "network.time_of_day; more clients per round (algorithm.C, algorithm.over_select) or devices "
+                    "online more of the time would help")
+    if offline == n:
+        return "offline", (f"{head}: every selected client was offline, so the model was kept; a longer "
+                           f"algorithm.deadline_s would not help: {offline_help}")
+    deadline = ("if their training takes longer on the emulated device (run.device_flops), raise "
+                "algorithm.deadline_s or set it to 0 (wait for every answer)")
+    if straggled == n:
+        return "deadline", (f"{head} within algorithm.deadline_s = {deadline_s:g} emulated s, so the model was kept; "
+                            f"{deadline}")
+    parts = [f"{k} {what}" for k, what in ((offline, "was offline" if offline == 1 else "were offline"),
+                                           (failed, "lost a message on their link"),
+                                           (straggled, "straggled (still training or uploading at the deadline)"))
+             if k]
+    advice = []
+    if straggled:
+        advice.append(f"for the {straggled} that straggled, {deadline}")
+    if offline:
+        advice.append(f"for the {offline} offline, a longer deadline would not help: {offline_help}")
+    if failed:
+        advice.append(f"for the {failed} whose message was lost, see the links' loss and queue settings "
+                      "(network.profiles)")
+    return "mixed", (f"{head} within algorithm.deadline_s = {deadline_s:g} emulated s, so the model was kept: "
+                     f"{', '.join(parts)}; " + "; ".join(advice))

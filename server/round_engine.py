@@ -27,7 +27,7 @@ from fedemu.common.ml.models import ModelSpec
 from fedemu.node import TIMEOUT, Down, Pid, ThreadProcess, streams
 
 from .engine import Engine, Settings
-from .outcome import losses
+from .outcome import losses, no_answer_hint
 from .runlog import CLIENTS, RunLog
 from .timeline import CLIENT_COLUMNS, OUTCOMES, ClientRound
 
@@ -53,7 +53,7 @@ class RoundEngine(Engine):
         if problem:
             raise ValueError(problem)
         self.at_nodes = settings.aggregation == "nodes"
-        self._deadline_hinted = False
+        self._no_answer_hinted: set[str] = set()  # the causes hinted at (no_answer_hint)
 
     def main(self, proc: ThreadProcess) -> tuple[str, str]:
         s = self.settings
@@ -73,7 +73,6 @@ class RoundEngine(Engine):
             self.totals.asked.update(selected)
             new_weights = self.strategy.run_round(
                 lambda task, lr, **extra: self._phase(proc, round_, book, task, lr, **extra), self.weights, round_)
-            self.totals.straggled += len(book.stragglers)
             if new_weights is not None:
                 self.weights = new_weights
                 self.totals.aggregations += 1
@@ -88,6 +87,8 @@ class RoundEngine(Engine):
             clients = self.timeline.judge(round_, round_started, round_ended, facts, book.selected, book.seen(),
                                           {r.client: r for r in final},
                                           lambda k: s.stragglers.slowdown(k, round_))
+            self.totals.straggled += len(book.stragglers)
+            self.totals.offline += sum(c.outcome == "offline" and c.client in book.stragglers for c in clients)
             self.runlog.event(
                 "round", round=round_, accuracy=accuracy, loss=loss,
                 participants=len(final), aggregated=new_weights is not None, uploads=book.uploads,
@@ -101,7 +102,7 @@ class RoundEngine(Engine):
             self.timeline.round_span(round_, round_started, round_ended, "aggregated" if new_weights is not None
                                      else "kept the model")
             self.timeline.flush()
-            self._hint_if_the_deadline_cut_everyone(round_, book)
+            self._hint_if_no_one_answered(round_, book, clients)
             reason = self._finished(round_, accuracy)
             if reason:
                 return "completed", reason
@@ -145,18 +146,20 @@ class RoundEngine(Engine):
                 "slowed": sum(c.slowdown != 1.0 for c in clients)}
         return {"clients": seen, "outcome_counts": counts}
 
-    def _hint_if_the_deadline_cut_everyone(self, round_: int, book: RoundBook) -> str | None:
-        """Once a run: a round in which no selected client answered before the deadline,
-        none of them lost, is most often a deadline shorter than the emulated training
-        (a heavier model or more epochs than the default job's): say so, naming the keys."""
-        if (self._deadline_hinted or book.final_replies or not book.quorum_missed
+    def _hint_if_no_one_answered(self, round_: int, book: RoundBook, clients: list[ClientRound]) -> str | None:
+        """Once a run for each cause: a round in which no selected client answered before
+        the deadline, none of them lost, gets a hint naming why as the emulator knows it
+        (outcome.no_answer_hint): every one offline, a deadline shorter than the emulated
+        training (a heavier model or more epochs than the default job's), or a mix."""
+        if (book.final_replies or not book.quorum_missed
                 or book.stragglers != set(book.selected) - book.dropped or not book.stragglers):
             return None
-        self._deadline_hinted = True
-        message = (f"round {round_}: none of the {len(book.stragglers)} selected clients answered within "
-                   f"algorithm.deadline_s = {self.settings.deadline_s:g} emulated s, so the model was kept; if their "
-                   f"training takes longer on the emulated device (run.device_flops), raise algorithm.deadline_s "
-                   f"or set it to 0 (wait for every answer)")
+        hint = no_answer_hint(round_, [c.outcome for c in clients if c.client in book.stragglers],
+                              self.settings.deadline_s)
+        if hint is None or hint[0] in self._no_answer_hinted:
+            return None
+        cause, message = hint
+        self._no_answer_hinted.add(cause)
         log.warning("%s", message)
         self.runlog.event("hint", round=round_, message=message)
         return message

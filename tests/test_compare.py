@@ -94,6 +94,14 @@ def test_runs_differing_in_more_than_seed_and_fold_are_refused(tmp_path):
     assert results[0].p_a > 0.99
 
 
+def test_a_comparison_of_several_inputs_asks_where_to_write(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs = make_runs(tmp_path / "runs")
+    result = CliRunner().invoke(main, ["compare", *map(str, runs)])
+    assert result.exit_code == 1 and "choose one with -o/--out" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing written in the current folder
+
+
 def test_unpaired_or_single_groups_are_refused(tmp_path):
     dirs = make_runs(tmp_path, names=("fedavg", "fsvrg"))
     with pytest.raises(compare.CompareError, match=r"not run on the same \(seed, fold\) pairs; missing: fsvrg: \[\(3, 4\)\]"):
@@ -262,3 +270,26 @@ def test_a_run_that_never_reached_the_target_is_named_unless_told_how_to_count_i
         compare.compare(runs, by=BANDWIDTH, metric="time_to_target", target=0.99, unreached="drop")
     with pytest.raises(compare.CompareError, match="needs a target"):
         compare.compare(runs, by=BANDWIDTH, metric="time_to_target")
+
+
+def test_the_posterior_is_drawn_out_to_where_its_tails_fall_below_a_hundredth_of_its_peak():
+    # Two repetitions of one fold: df = 2, tails far wider than a normal's. Drawn to ±4
+    # scales, the density was still 4% of its peak where the plot ended.
+    few = compare.Result(a="fedavg", b="coop", mean_a=0.80, mean_b=0.79, p_a=0.6, p_rope=0.1, p_b=0.3,
+                         mean=-0.01, var=0.02 ** 2, df=2, n=3, runs=3)
+    many = compare.Result(a="fedavg", b="fsvrg", mean_a=0.80, mean_b=0.70, p_a=0.99, p_rope=0.01, p_b=0.0,
+                          mean=-0.1, var=0.01 ** 2, df=14, n=15, runs=3)
+    fig = compare.posterior_figure([few, many], rope=0.01)
+    try:
+        for ax in fig.axes:
+            if not ax.get_visible():
+                continue
+            (line,) = ax.get_lines()[:1]
+            ys = np.asarray(line.get_ydata())
+            assert ys[0] < 0.01 * ys.max() and ys[-1] < 0.01 * ys.max()
+            # and the axes show all of it
+            lo, hi = ax.get_xlim()
+            xs = np.asarray(line.get_xdata())
+            assert lo <= xs.min() and xs.max() <= hi
+    finally:
+        fig.clf()

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 import tomllib
@@ -48,7 +49,7 @@ def test_integer_for_a_float_key_is_accepted():
 
 @pytest.mark.parametrize("override, message", [
     ("algorithm.X=1", "unknown key algorithm.X; [algorithm] has name, C, E, B"),
-    ("algo.C=1", "unknown section 'algo'; sections are run, data, model, algorithm, network"),
+    ("algo.C=1", "unknown section 'algo' (did you mean 'algorithm'?); sections are run, data, model, algorithm"),
     ("network.default_profile=6g", "network.default_profile = '6g' is not a profile; profiles are ideal, lan"),
     ("network.profiles.x.loss=2", "network.profiles.x.loss = 2 must be a probability in [0, 1]"),
     ("network.profiles.x.bandwidth=fast", "network.profiles.x.bandwidth = 'fast': use bytes/s or a number with a unit"),
@@ -79,7 +80,7 @@ def test_bad_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=f"{bad} is not valid TOML"):
         config.load(bad)
     bad.write_text("[netwerk]\nlatency_ms = 5")
-    with pytest.raises(ConfigError, match=r"unknown section \[netwerk\]; sections are run, data, model, algorithm, network"):
+    with pytest.raises(ConfigError, match=r"unknown section \[netwerk\] \(did you mean \[network\]\?\); sections are run, data, model, algorithm"):
         config.load(bad)
 
 
@@ -174,3 +175,121 @@ def test_the_model_check_suggests_the_model_made_for_the_data_set():
         config.load(None, ["data.dataset=shakespeare", "model.name=cnn"])
     config.load(None, ["data.dataset=shakespeare", "model.name=char-lstm"])
     config.load(None, ["data.dataset=cifar10", "model.name=2nn"])  # it flattens any input: it fits
+
+
+# Issue 54: three mistakes, one run of `fedemu check`.
+THREE_MISTAKES = """
+[run]
+clock = "virtal"
+
+[algorithm]
+C = 2
+deadine_s = 30
+"""
+
+
+def test_fedemu_check_names_every_problem_at_once_with_suggestions(tmp_path):
+    path = tmp_path / "three.toml"
+    path.write_text(THREE_MISTAKES)
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "check", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "3 problems in the config" in done.stderr
+    assert "unknown key algorithm.deadine_s (did you mean algorithm.deadline_s?)" in done.stderr
+    assert "algorithm.C = 2.0 is out of range; it must be in (0, 1]" in done.stderr
+    assert "run.clock = 'virtal' is not allowed (did you mean 'virtual'?); choose one of 'virtual', 'wall'" \
+        in done.stderr
+    assert "ok: the config is valid" not in done.stdout
+
+
+def test_fedemu_launch_refuses_a_config_naming_every_problem(tmp_path):
+    path, run_dir = tmp_path / "three.toml", tmp_path / "run"
+    path.write_text(THREE_MISTAKES)
+    done = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", str(path), "--out", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    for key in ("algorithm.deadine_s", "algorithm.C", "run.clock"):
+        assert key in done.stderr, done.stderr
+    assert not run_dir.exists()
+
+
+def test_every_problem_is_an_error_of_its_own_naming_its_key():
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["algorithm.deadine_s=5", "algorithm.C=2", "run.clock=virtal", "run.rounds=0"])
+    errors = err.value.errors
+    assert all(isinstance(e, ConfigError) for e in errors)
+    # loading's problems first, then the schema's order
+    assert [re.search(r"[a-z]+\.\w+", str(e)).group() for e in errors] \
+        == ["algorithm.deadine_s", "run.rounds", "run.clock", "algorithm.C"]
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("algorithm.deadine_s=5", "unknown key algorithm.deadine_s (did you mean algorithm.deadline_s?)"),
+    ("algorithm.c=0.2", "unknown key algorithm.c (did you mean algorithm.C?)"),  # case aside
+    ("run.heartbeat_intervall_s=1", "(did you mean run.heartbeat_interval_s?)"),
+    ("algoritm.C=0.2", "unknown section 'algoritm' (did you mean 'algorithm'?)"),
+    ("network.transprt=tcp", "unknown key network.transprt (did you mean network.transport?)"),
+    ("network.dropout.per_rnd=0.1", "(did you mean network.dropout.per_round?)"),
+])
+def test_a_misspelt_key_gets_a_suggestion(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert suggestion in str(err.value)
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("run.clock=virtual_", "run.clock = 'virtual_' is not allowed (did you mean 'virtual'?)"),
+    ("algorithm.on_quorum_missed=extend", "(did you mean 'extend_once'?)"),
+    ("algorithm.name=fedprx", "unknown algorithm 'fedprx' (did you mean 'fedprox'?)"),
+    ("model.name=CNN", "unknown model 'CNN' (did you mean 'cnn'?)"),
+    ("data.dataset=mnsit", "unknown data set 'mnsit' (did you mean 'mnist'?)"),
+    ("network.transport=tpc", "network.transport = 'tpc' (did you mean 'tcp'?) must be one of tcp, message"),
+    ("network.default_profile=lan_", "network.default_profile = 'lan_' is not a profile (did you mean 'lan'?)"),
+    ("network.stragglers.distribution=lognormel", "(did you mean 'lognormal'?)"),
+])
+def test_a_misspelt_value_gets_a_suggestion(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert suggestion in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["algorithm.X=1", "run.clock=sundial", "algorithm.name=scaffold"])
+def test_nothing_close_gets_no_suggestion(override):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, [override])
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_check_across_sections_is_skipped_where_a_key_it_reads_is_bad():
+    # heartbeat_interval_s is not a number: comparing it with the timeout would only restate that
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["run.heartbeat_interval_s=fast", "data.dataset=nosuchdata"])
+    assert [str(e).split(" ")[0] for e in err.value.errors] == ["run.heartbeat_interval_s", "data.dataset:"]
+    # ... and runs where they are good, next to a bad key elsewhere
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["run.heartbeat_interval_s=10", "run.heartbeat_timeout_s=5", "algorithm.E=0"])
+    assert len(err.value.errors) == 2 and "must be at least twice" in str(err.value)
+
+
+def test_a_file_that_is_not_toml_stops_at_once(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nseed = 1")
+    with pytest.raises(ConfigError) as err:
+        config.load(bad, ["algorithm.C=2"])
+    assert "is not valid TOML" in str(err.value) and "algorithm.C" not in str(err.value)
+
+
+def test_close_match_ignores_case_and_what_is_no_word():
+    from fedemu.node.schema import close_match, did_you_mean
+
+    assert close_match("Virtual", ["virtual", "wall"]) == "virtual"
+    assert close_match("wall", ["virtual", "wall"]) is None  # not a misspelling
+    assert close_match(3, ["virtual", "wall"]) is None
+    assert did_you_mean("fedavgg", ["fedavg", "fedsgd"]) == " (did you mean 'fedavg'?)"
+    assert did_you_mean("zzz", ["fedavg", "fedsgd"]) == ""
+
+
+def test_a_bad_key_is_named_once():
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["algorithm.name=5"])
+    assert [str(e) for e in err.value.errors] == ["algorithm.name = 5 must be a string"]

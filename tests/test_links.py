@@ -217,7 +217,7 @@ def test_same_seed_same_decisions_whatever_the_interleaving():
 def test_profile_validation_names_the_key():
     with pytest.raises(LinkConfigError, match=r"lte\.loss = 1.5 must be a probability in \[0, 1\]"):
         LinkProfile.from_dict({"loss": 1.5}, "lte")
-    with pytest.raises(LinkConfigError, match=r"unknown key lte\.latency; link keys are"):
+    with pytest.raises(LinkConfigError, match=r"unknown key lte\.latency \(did you mean lte\.latency_ms\?\); link keys are"):
         LinkProfile.from_dict({"latency": 5}, "lte")
     with pytest.raises(LinkConfigError, match="jitter_distribution"):
         LinkProfile.from_dict({"jitter_distribution": "gamma"}, "lte")

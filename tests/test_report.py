@@ -97,12 +97,31 @@ def test_report_on_runs_writes_figures_and_a_table(tmp_path):
     lines = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| a") or line.startswith("| b")}
     # Labelled by what differs; the running one is marked; time to 85%: round 2.5 for a.
     assert "| fedavg | completed | 3 | 90.00 | 90.00 |" in lines["a"]
-    assert "| 2.5 | 5.0 | 5.0 |" in lines["a"]
+    assert "| 3 | 2.5 | 5.0 | 5.0 |" in lines["a"]  # the first round at 85%, then the interpolated figures
+    assert ("| first round at 85% | rounds to 85% (interpolated) | emulated s to 85% (interpolated) "
+            "| MB up to 85% (interpolated) |") in md
     assert "| fsvrg | running | 4 | 75.00 |" in lines["b"] and lines["b"].rstrip().endswith("| – | – | – |")
     assert "![accuracy-vs-emulated-time](accuracy-vs-emulated-time.png)" in md
     svg = (out / "accuracy-vs-emulated-time.svg").read_text()
     assert "emulated time since the first round began (s)" in svg and "test accuracy (%)" in svg
     assert "algorithm=fsvrg (in progress)" in svg  # the legend says which run is still going
+
+
+def test_a_report_goes_under_the_run_it_reports_on_and_says_where(tmp_path, monkeypatch):
+    """Not the current folder, where the next run's report would overwrite it."""
+    monkeypatch.chdir(tmp_path)
+    a = make_run(tmp_path / "runs" / "a", [0.6, 0.8, 0.9])
+    b = make_run(tmp_path / "runs" / "b", [0.5, 0.6])
+    result = CliRunner().invoke(main, ["report", str(a), "--format", "svg"])
+    assert result.exit_code == 0, result.output
+    assert (a / "report" / "report.md").exists() and f"{a / 'report'}/" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    # Several runs have no one home: the command asks where, and writes nothing.
+    result = CliRunner().invoke(main, ["report", str(a), str(b)])
+    assert result.exit_code != 0 and "2 inputs have no one folder for the report: choose one with -o/--out" in result.output
+    assert not (b / "report").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    result = CliRunner().invoke(main, ["report", str(a), str(b), "-o", str(tmp_path / "ab"), "--format", "svg"])
+    assert result.exit_code == 0 and (tmp_path / "ab" / "report.md").exists()
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path):

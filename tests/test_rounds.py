@@ -17,7 +17,9 @@ from fedemu.launch import config as configuration
 from fedemu.node import TIMEOUT, Message, Pid
 from fedemu.server.checks import check
 from fedemu.server.engine import Settings
+from fedemu.server.outcome import no_answer_hint
 from fedemu.server.round_engine import RoundBook, RoundEngine
+from fedemu.server.timeline import ClientRound
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.common.algorithms.fedavg import FedAvg
 from fedemu.common.algorithms.rounds import weighted_average
@@ -196,14 +198,44 @@ def test_a_deadline_that_cuts_every_client_is_named_once(tmp_path):
     eng = engine(tmp_path, quorum=1, on_quorum_missed="skip")
     replies, book = run_phase(eng, ScriptedProc(WAIT), [0, 1, 2])
     assert replies is None and book.stragglers == {0, 1, 2}
-    hint = eng._hint_if_the_deadline_cut_everyone(1, book)
+    straggling = [ClientRound(k, "straggler", "straggler") for k in book.selected]
+    hint = eng._hint_if_no_one_answered(1, book, straggling)
     assert "none of the 3 selected clients answered within algorithm.deadline_s = 0.05 emulated s" in hint
-    assert eng._hint_if_the_deadline_cut_everyone(2, book) is None  # once a run
-    assert [e["message"] for e in read_events(tmp_path) if e["event"] == "hint"] == [hint]
+    assert "raise algorithm.deadline_s" in hint
+    assert eng._hint_if_no_one_answered(2, book, straggling) is None  # once a run for a cause
+    # Another cause is named once too: every device offline is not the deadline's doing.
+    offline = [ClientRound(k, "straggler", "offline") for k in book.selected]
+    other = eng._hint_if_no_one_answered(3, book, offline)
+    assert "every selected client was offline" in other and "raise algorithm.deadline_s" not in other
+    assert eng._hint_if_no_one_answered(4, book, offline) is None
+    assert [e["message"] for e in read_events(tmp_path) if e["event"] == "hint"] == [hint, other]
     # A round that aggregated, or lost a client, is not that case.
     fresh = engine(tmp_path / "b", quorum=1)
     _, answered = run_phase(fresh, ScriptedProc(reply(0), WAIT), [0, 1])
-    assert fresh._hint_if_the_deadline_cut_everyone(1, answered) is None
+    assert fresh._hint_if_no_one_answered(1, answered, [ClientRound(0, "answered", "answered"),
+                                                        ClientRound(1, "straggler", "straggler")]) is None
+
+
+@pytest.mark.parametrize("outcomes, cause, says, not_says", [
+    (["offline"] * 10, "offline", ["none of the 10 selected clients answered: every selected client was offline",
+                                   "network.dropout", "algorithm.C"], ["raise algorithm.deadline_s"]),
+    (["straggler"] * 4, "deadline", ["none of the 4 selected clients answered within algorithm.deadline_s = 30 "
+                                     "emulated s", "raise algorithm.deadline_s"], ["offline"]),
+    (["offline"] * 7 + ["straggler"] * 3, "mixed", ["none of the 10 selected clients answered within",
+                                                    "7 were offline, 3 straggled",
+                                                    "for the 3 that straggled, if their training",
+                                                    "for the 7 offline, a longer deadline would not help"], []),
+    (["offline", "failed_transfer"], "mixed", ["1 was offline, 1 lost a message on their link",
+                                               "loss and queue settings"], ["raise algorithm.deadline_s"]),
+])
+def test_a_round_nobody_answered_is_hinted_by_its_clients_outcomes(outcomes, cause, says, not_says):
+    got, message = no_answer_hint(2, outcomes, 30.0)
+    assert got == cause
+    for text in says:
+        assert text in message
+    for text in not_says:
+        assert text not in message
+    assert no_answer_hint(2, ["dropped"], 30.0) is None  # a lost client has its own fault event
 
 
 def test_quorum_met_in_time_records_nothing(tmp_path):
@@ -461,3 +493,39 @@ clients = "2"
     assert second["stragglers"] == [2] and second["answered"] == [0, 1, 3]
     # A skipped round keeps the model: the same weights score the same.
     assert second["accuracy"] == first["accuracy"]
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_hints_on_a_traced_population_name_the_outcomes_of_its_rounds(tmp_path):
+    """examples/fedavg-traces.toml with a 1 s deadline: its population is offline most of
+    the time, so rounds nobody answers come, some with every selected device offline.
+    Each hint names the cause its round's outcome counts show: only an all-straggler
+    round (or the stragglers of a mixed one) is told to raise the deadline."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "examples/fedavg-traces.toml", "--out", str(run_dir),
+            "--workers", "1", "--set", "run.rounds=3", "--set", "algorithm.deadline_s=1"]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])  # the example's trace paths are the repository's
+    assert done.returncode == 0, done.stdout
+    counts = {e["round"]: e["outcome_counts"] for e in round_events(run_dir)}
+    hints = [e for e in read_events(run_dir) if e["event"] == "hint"]
+    assert hints, done.stdout
+    forms = set()
+    for hint in hints:
+        c, message = counts[hint["round"]], hint["message"]
+        assert c["answered"] == 0
+        if c["straggler"] == 0:
+            forms.add("offline")
+            assert "every selected client was offline" in message and "raise algorithm.deadline_s" not in message
+        elif c["offline"]:
+            forms.add("mixed")
+            assert f"{c['offline']} {'was' if c['offline'] == 1 else 'were'} offline" in message and f"{c['straggler']} straggled" in message
+        else:
+            assert "raise algorithm.deadline_s" in message and "offline" not in message
+        assert message in done.stdout  # the console prints it
+    assert "offline" in forms, hints  # the case the hint used to blame on the deadline
+    end = [e for e in read_events(run_dir) if e["event"] == "end"][0]
+    offline = sum(c["offline"] for c in counts.values())
+    if end["aggregations"] == 0:
+        assert f"({offline} of them offline)" in end["reason"]

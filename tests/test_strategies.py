@@ -109,7 +109,7 @@ def test_fsvrg_sends_the_weighted_full_gradient_then_averages_the_models():
 
 
 def test_unknown_algorithm_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match="unknown algorithm 'fedavgg': fedemu has fedavg, fedsgd, fsvrg, "
+    with pytest.raises(ValueError, match=r"unknown algorithm 'fedavgg' \(did you mean 'fedavg'\?\): fedemu has fedavg, fedsgd, fsvrg, "
                                          "centralised, coop, fedasync, fedbuff, fedprox, fedadam, fedyogi"):
         algorithms.get("fedavgg")
     with pytest.raises(ValueError, match=r"cannot import 'nosuchpackage.algos' \(No module named 'nosuchpackage'\)"):

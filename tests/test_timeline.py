@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from fedemu.launch.cli import main
 from fedemu.launch.studies.report_timeline import chrome_trace, plot_gantt
 from fedemu.server.runlog import RunLog, read_events
 from fedemu.server.timeline import DOWN, UP, Timeline
@@ -234,6 +236,11 @@ def test_the_chrome_trace_export_is_valid_trace_json_with_a_track_per_client(dro
         assert kinds[:3] == ["download", "compute", "upload"]
     rounds = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
     assert [e["args"]["round"] for e in rounds] == [e["round"] for e in round_events(dropout_run)]
+    # Without -o the trace goes under the run, not into the current folder.
+    result = CliRunner().invoke(main, ["export", "--trace", str(dropout_run)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((dropout_run / "trace.json").read_text()) == trace
+    (dropout_run / "trace.json").unlink()  # the fixture's run is shared with other tests
 
 
 @pytest.mark.mnist

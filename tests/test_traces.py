@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,6 +350,10 @@ def test_convert_merges_fedscales_two_files_into_one_csv_that_means_the_same(tmp
     assert "2 entries (2 repeating), span 60 s" in result.output
     assert "compute, ms per training example: min 60" in result.output
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Without --figure it is drawn beside the trace, whatever the current folder.
+    result = CliRunner().invoke(main, ["traces", "stats", str(out)])
+    assert result.exit_code == 0 and f"figure: {out}.stats.png" in result.output
+    assert Path(f"{out}.stats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_convert_refuses_an_unsafe_pickle_naming_it_and_writes_nothing(tmp_path):
@@ -390,3 +395,140 @@ use = ["compute"]
     bad.write_text(sweep_file.read_text().replace('["slow", "fast"]', '["slow", "missing"]'))
     with pytest.raises(Exception, match="missing does not exist"):
         expand(load_spec(bad))
+
+
+def test_converting_a_mahimahi_up_file_fills_only_the_uplink_and_a_pair_fills_both(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    up = mahimahi(tmp_path / "phone.up", [(10, 1)])
+    down = mahimahi(tmp_path / "phone.down", [(10, 2)])
+    out = tmp_path / "up.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", up, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert trace_files.read(out).fields() == {"up_bytes_per_s"}
+    result = CliRunner().invoke(main, ["traces", "stats", up, "--figure", str(tmp_path / "up.png")])
+    assert result.exit_code == 0, result.output
+    assert "uplink" in result.output and "downlink" not in result.output
+    # mm-link's pair: each file its own direction, merged into one entry per name.
+    both = tmp_path / "both.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", up, down, "-o", str(both)])
+    assert result.exit_code == 0, result.output
+    table = trace_files.read(both)
+    assert list(table.entries) == ["phone"]  # one phone, both its links
+    assert table.entries["phone"]["down_bytes_per_s"][1][0] == pytest.approx(2 * 1500 * 1000)
+    # A name that says no direction fills both, as before; --direction still decides.
+    other = mahimahi(tmp_path / "link.trace", [(10, 1)])
+    assert trace_files.read(other).fields() == {"up_bytes_per_s", "down_bytes_per_s"}
+    assert trace_files.read(up, mahimahi_fields=("down_bytes_per_s",)).fields() == {"down_bytes_per_s"}
+
+
+def test_a_constant_3_mbit_mahimahi_trace_converts_to_a_few_rows_of_3_mbit(tmp_path):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+
+    # 3 Mbit/s = 250 packets of 1,500 B a second: one every 4 ms, for 4 s.
+    path = tmp_path / "flat.up"
+    path.write_text("".join(f"{t}\n" for t in range(4, 4001, 4)))
+    out = tmp_path / "flat.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", str(path), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    times, values = trace_files.read(out).entries["flat"]["up_bytes_per_s"]
+    assert len(times) <= 2  # one rate (and at most a short last window), not 1,000 bursts
+    assert values[0] * 8 / 1e6 == pytest.approx(3.0)
+    # The emulator's own 1 ms steps carry the same bytes over the period.
+    exact = RateTrace.from_mahimahi(open(path))
+    averaged = RateTrace.from_mahimahi(open(path), window_ms=100)
+    assert averaged.served(0, 4.0) == pytest.approx(exact.served(0, 4.0))
+    with pytest.raises(TraceError, match="averaging window"):
+        RateTrace.from_mahimahi(open(path), window_ms=0)
+
+
+def test_the_synthetic_fedscale_pair_is_what_its_script_writes_and_reads_as_fedscale(tmp_path):
+    import runpy
+    import shutil
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "examples" / "traces"
+    script = tmp_path / "make_synthetic_fedscale.py"
+    shutil.copy(shipped / script.name, script)  # it writes beside itself: here, not into the repository
+    runpy.run_path(str(script), run_name="__main__")
+    for name in ("client_device_capacity", "client_behave_trace"):
+        assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name  # the committed files are its
+        table = trace_files.read(shipped / name)
+        assert table.format == "fedscale" and len(table.entries) == 20
+    assert trace_files.read(shipped / "client_behave_trace").series("0", "online").value_at(0.0) == 1.0
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
+def test_the_readmes_trace_example_runs_as_written(tmp_path):
+    """README.md's worked example, its shell lines and its TOML taken from the README
+    itself, run in a directory whose examples/ is the repository's: convert, stats,
+    then a two-round run on the population it wrote."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("A worked example, from FedScale's two"):]
+    sh = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "examples").symlink_to(root / "examples")
+    fedemu = [sys.executable, "-m", "fedemu.launch"]
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    for line in sh.strip().splitlines():
+        argv = line.split("#")[0].split()
+        assert argv[0] == "fedemu", line
+        done = subprocess.run(fedemu + argv[1:], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=120)
+        assert done.returncode == 0, (line, done.stdout)
+    assert trace_files.read(tmp_path / "runs" / "population.csv").fields() >= {"example_s", "online", "up_bytes_per_s"}
+    (tmp_path / "traces.toml").write_text(toml)
+    done = subprocess.run(fedemu + ["launch", "traces.toml", "--out", "run", "--workers", "1", "--set", "run.rounds=2"],
+                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout
+    assert "end: completed after 2 rounds" in done.stdout, done.stdout
+
+
+def labelled_ticks(ax) -> list[str]:
+    """The x tick labels shown inside the axes' limits (after a draw)."""
+    lo, hi = sorted(ax.get_xlim())
+    return [t.get_text() for t, v in zip(ax.get_xticklabels(), ax.get_xticks()) if t.get_text() and lo <= v <= hi]
+
+
+@pytest.mark.parametrize("computation, communication", [
+    ((20.0, 40.0), (1000.0, 500.0)),  # under a decade: a log axis showed the one label "10¹"
+    ((2.0, 400.0), (30.0, 20000.0)),  # over two decades: log, labelled
+])
+def test_the_stats_figure_labels_at_least_two_ticks_on_each_distribution_axis(tmp_path, computation, communication):
+    from click.testing import CliRunner
+
+    from fedemu.launch.cli import main
+    from fedemu.launch.studies import traces_cli
+
+    devices = fedscale_devices(tmp_path / "client_device_capacity",
+                               {k + 1: {"computation": c, "communication": b}
+                                for k, (c, b) in enumerate(zip(computation, communication))})
+    out = tmp_path / "population.csv"
+    result = CliRunner().invoke(main, ["traces", "convert", devices, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    fig = traces_cli.stats_figure(traces_cli.summary(trace_files.read(str(out), "auto")))
+    try:
+        fig.canvas.draw()
+        panels = [ax for ax in fig.axes if ax.get_xlabel().startswith(("mean rate", "training"))]
+        assert len(panels) == 2
+        for ax in panels:
+            assert len(labelled_ticks(ax)) >= 2, (ax.get_xlabel(), ax.get_xscale(), labelled_ticks(ax))
+            # every drawn point lies inside the axes
+            lo, hi = ax.get_xlim()
+            for line in ax.get_lines():
+                xs = np.asarray(line.get_xdata(), dtype=float)
+                assert lo <= xs.min() and xs.max() <= hi
+    finally:
+        fig.clf()

@@ -8,7 +8,8 @@ and what it accepts, before anything starts.
 
 What lives here, bottom up (each module imports only those above it):
 
-* ``schema``: the keys (:data:`SCHEMA`), :class:`ConfigError`, the algorithms' own keys;
+* ``schema``: the keys (:data:`SCHEMA`), :class:`ConfigError` (and :class:`ConfigErrors`, every
+  problem of a config at once), the algorithms' own keys;
 * ``settings``: the resolved config turned into each process's typed specs (data, model,
   links, stragglers, compute, compression, the server's Settings, the broker's network),
   and each node process's settings, written once into the run directory (settings.json)
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 # a node process reads its settings (settings.read_process_settings) without importing
 # the loading and validation code.
 _EXPORTS = {
-    **dict.fromkeys(("ConfigError", "SCHEMA", "NESTED_SECTIONS", "MAX_SECONDS", "is_device_setting",
+    **dict.fromkeys(("ConfigError", "ConfigErrors", "SCHEMA", "NESTED_SECTIONS", "MAX_SECONDS", "is_device_setting",
                      "ineffective_keys"), "schema"),
     **dict.fromkeys(("DEFAULT_CONFIG_FILE", "default", "load", "apply_override", "absolute_trace_paths",
                      "to_toml", "toml_value"), "loading"),
@@ -46,7 +47,8 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from .loading import (DEFAULT_CONFIG_FILE, absolute_trace_paths, apply_override, default, load, to_toml,
                           toml_value)
-    from .schema import MAX_SECONDS, NESTED_SECTIONS, SCHEMA, ConfigError, ineffective_keys, is_device_setting
+    from .schema import (MAX_SECONDS, NESTED_SECTIONS, SCHEMA, ConfigError, ConfigErrors, ineffective_keys,
+                         is_device_setting)
     from .settings import (NODE_EXIT_WAIT_S, POPULATION_FILE, PROCESS_SETTINGS_FILE, broker_network_file,
                            compression_spec, compute_model, data_spec, model_spec, network_parts,
                            population_record, process_settings, process_settings_json, read_process_settings,

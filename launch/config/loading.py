@@ -8,7 +8,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .schema import NESTED_SECTIONS, SCHEMA, ConfigError, algorithm_options, key_spec, section_names
+from fedemu.node.schema import did_you_mean
+
+from .schema import NESTED_SECTIONS, SCHEMA, ConfigError, Problems, algorithm_options, key_spec, section_names
 from .validation import validate
 
 
@@ -26,8 +28,11 @@ def default() -> dict[str, dict[str, Any]]:
 
 def load(path: str | Path | None, overrides: list[str] = (), values: dict | None = None) -> dict[str, dict[str, Any]]:
     """The resolved config: defaults, then the file, then ``values`` (sections as in a
-    file: ``{"algorithm": {"name": "fedprox"}}``), then ``--set`` overrides; validated."""
+    file: ``{"algorithm": {"name": "fedprox"}}``), then ``--set`` overrides; validated.
+    ConfigErrors names every problem found (an unknown key is left at its default and the
+    rest checked); a file that is missing or not TOML stops at once."""
     config = default()
+    problems = Problems()
     if path is not None:
         path = Path(path)
         try:
@@ -36,13 +41,14 @@ def load(path: str | Path | None, overrides: list[str] = (), values: dict | None
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        _merge(config, user, source=str(path))
+        _merge(config, user, str(path), problems)
     if values is not None:
-        _merge(config, copy.deepcopy(values), source="the config given")
+        _merge(config, copy.deepcopy(values), "the config given", problems)
     for item in overrides:
-        apply_override(config, item)
+        with problems.collecting():
+            apply_override(config, item)
     absolute_trace_paths(config)
-    validate(config)
+    validate(config, problems)
     return config
 
 
@@ -60,19 +66,26 @@ def absolute_trace_paths(config: dict) -> None:
             entry["file"] = [str(Path(f).resolve()) for f in files]
 
 
-def _merge(config: dict, user: dict, source: str) -> None:
+def _merge(config: dict, user: dict, source: str, problems: Problems) -> None:
+    """``user`` over ``config``; an unknown section or key goes to ``problems`` (and its
+    value nowhere)."""
     for section, values in user.items():
         if section not in SCHEMA and section not in NESTED_SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{section}]; sections are {', '.join(section_names())}")
+            hint = did_you_mean(section, section_names(), show=lambda s: f"[{s}]")
+            problems.add(ConfigError(f"{source}: unknown section [{section}]{hint}; "
+                                     f"sections are {', '.join(section_names())}"))
+            continue
         if not isinstance(values, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table")
+            problems.add(ConfigError(f"{source}: [{section}] must be a table"))
+            continue
         if section in NESTED_SECTIONS:
             config[section] = values
             continue
         # algorithm.name first: a plug-in's options are known once it is
         for key, value in sorted(values.items(), key=lambda item: item[0] != "name"):
-            key_spec(section, key, config)
-            config[section][key] = value
+            with problems.collecting():
+                key_spec(section, key, config)
+                config[section][key] = value
 
 
 def apply_override(config: dict, item: str) -> None:

@@ -4,9 +4,11 @@ defaults are in ``default.toml``), the ``[algorithm]`` keys each algorithm decla
 which names the key and what it accepts."""
 from __future__ import annotations
 
+import contextlib
 import re
 
-from fedemu.node.schema import MAX_LEARNING_RATE, Key, fraction, interval, non_negative, positive, unit_interval
+from fedemu.node.schema import (MAX_LEARNING_RATE, Key, did_you_mean, did_you_mean_key, fraction, interval,
+                                non_negative, positive, unit_interval)
 
 
 def is_device_setting(value: str) -> bool:
@@ -16,6 +18,48 @@ def is_device_setting(value: str) -> bool:
 
 class ConfigError(ValueError):
     """A config key or value that is not allowed; the message names it."""
+
+
+class ConfigErrors(ConfigError):
+    """Every problem found in a config, each a :class:`ConfigError` naming its key (in
+    :attr:`errors`): a config with three mistakes is refused once, naming all three."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = list(errors)
+        if len(self.errors) == 1:
+            text = str(self.errors[0])
+        else:
+            text = f"{len(self.errors)} problems in the config:\n" + "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(text)
+
+
+class Problems:
+    """A config's errors, collected as the checks find them (``with problems.collecting(key):``
+    records a ConfigError the block raises, marks ``key`` bad and goes on), then raised all
+    at once (:meth:`raise_any`)."""
+
+    def __init__(self):
+        self.errors: list[ConfigError] = []
+        self.bad: set[str] = set()  # "section.key" (or "section." for a whole section) found bad
+
+    def add(self, error: ConfigError) -> None:
+        self.errors.extend(error.errors if isinstance(error, ConfigErrors) else [error])
+
+    @contextlib.contextmanager
+    def collecting(self, *keys: str):
+        try:
+            yield
+        except ConfigError as exc:
+            self.add(exc)
+            self.bad.update(keys)
+
+    def clear(self, *keys: str) -> bool:
+        """None of ``keys`` is bad: a check that reads them is worth running."""
+        return not any(key in self.bad or f"{key.partition('.')[0]}." in self.bad for key in keys)
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ConfigErrors(self.errors)
 
 
 # Seconds, wall or emulated, a key may name: about 32 years, far beyond any run, and far
@@ -168,7 +212,7 @@ def algorithm_options(config: dict) -> dict[str, Key]:
     from fedemu.common.algorithms.base import all_options
 
     try:
-        chosen = algorithm_class(config)
+        chosen = algorithm_class(config) if isinstance(config["algorithm"].get("name"), str) else None
     except ConfigError:  # validate() reports it
         chosen = None
     return all_options(chosen)
@@ -186,11 +230,13 @@ def section_keys(section: str, config: dict) -> dict[str, Key]:
 
 def key_spec(section: str, key: str, config: dict) -> Key:
     if section not in SCHEMA:
-        raise ConfigError(f"unknown section {section!r}; sections are {', '.join(section_names())}")
+        raise ConfigError(f"unknown section {section!r}{did_you_mean(section, section_names())}; "
+                          f"sections are {', '.join(section_names())}")
     keys = section_keys(section, config)
     spec = keys.get(key)
     if spec is None:
-        raise ConfigError(f"unknown key {section}.{key}; [{section}] has {', '.join(keys)}")
+        raise ConfigError(f"unknown key {section}.{key}{did_you_mean_key(section, key, keys)}; "
+                          f"[{section}] has {', '.join(keys)}")
     return spec
 
 

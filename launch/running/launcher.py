@@ -17,6 +17,7 @@ from .lifecycle import STOP_SIGNALS, raise_on_stop_signals, restore_signals
 from .local import LocalRun
 from .progress import RunProgress
 from .rundir import LaunchError, make_run_dir, write_run_config
+from .zygote import shared as shared_zygote
 
 
 def open_run(config: dict, run_dir: Path, workers: int, echo: Callable[[str], None], machines=None,
@@ -41,6 +42,9 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.running.machines.Machines`); returns (run directory, summary).
     ``live``: a progress bar on a terminal (progress.RunProgress), the lines above it."""
+    # Before the config: its validation imports the algorithms, and with them torch
+    # (~1.2 s); the zygote's own imports for the nodes then run beside it.
+    shared_zygote()
     config = configuration.load(config_path, overrides, values)
     progress = None
     if live:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PARENT_ENV = "FEDEMU_PARENT_PID"  # the launcher's pid, as its children were told
+ZYGOTE_ENV = "FEDEMU_ZYGOTE_PID"  # a node forked by the zygote (zygote.py): its parent's pid
 LOCK_FILE = ".lock"
 
 _PR_SET_PDEATHSIG = 1
@@ -142,9 +143,12 @@ def parent_died(settle: float = 0.0) -> bool:
     expected = os.environ.get(PARENT_ENV)
     if expected is None or not expected.isdigit():
         return False
+    # A node forked by the zygote has it for parent, which ends when the launcher does.
+    parent = os.environ.get(ZYGOTE_ENV, expected)
     deadline = time.monotonic() + settle  # wall
     while True:
-        if os.getppid() != int(expected) or _state(int(expected)) in ("Z", "X", None):
+        if (os.getppid() != int(parent) or _state(int(parent)) in ("Z", "X", None)
+                or _state(int(expected)) in ("Z", "X", None)):
             return True
         if time.monotonic() >= deadline:  # wall
             return False

@@ -21,6 +21,8 @@ from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, OomKills, child_env, describe_exit, exit_cause, stop_reason
 from .progress import EventTail
 from .rundir import LaunchError, write_run_file
+from .zygote import ForkedNode, Zygote, ZygoteError
+from .zygote import shared as shared_zygote
 
 # The nodes that may steer a run at its broker (shut it down, announce rounds, change the
 # links; node/control.py's CONTROLLER_OPS): the server node, the launcher's own node
@@ -40,7 +42,7 @@ class LocalRun:
         self.workers = workers
         self.echo = echo
         self.on_event = on_event  # each event as it is printed (the progress bar)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedNode] = {}
         self.keys_file: Path | None = None  # the run's CURVE keys, when the broker demands them
         self.token_file: Path | None = None  # the run's token, which every node's hello carries
         self.socket_dir: Path | None = None  # where a local run's broker listens (mode 0700)
@@ -50,24 +52,53 @@ class LocalRun:
         self.oom_kills = OomKills()  # what the kernel's OOM killer does meanwhile: a SIGKILL's likely cause
         self._exits_recorded: set[str] = set()
         self._faults_shown = _FaultLines(echo)
+        self.zygote: Zygote | None = None  # where this run's local nodes fork from (zygote.py)
+        self._zygote_warned = False
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         try:
             out = open(self.run_dir / "logs" / f"{name}.out", "ab")
         except OSError as exc:
             raise LaunchError(str(write_error(self.run_dir / "logs" / f"{name}.out", exc))) from None
-        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
-        # the run in order (server first, which tells the nodes and the broker to leave).
-        # Were the broker hit at the same moment, the server could lose it mid-shutdown.
-        # child_env names this launcher: the child asks for SIGTERM when it dies (lifecycle).
-        proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=child_env())
-        out.close()
+        try:
+            proc = self._fork_node(name, args, out) if args[0] == "node" else None
+            if proc is None:
+                # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
+                # the run in order (server first, which tells the nodes and the broker to leave).
+                # Were the broker hit at the same moment, the server could lose it mid-shutdown.
+                # child_env names this launcher: the child asks for SIGTERM when it dies (lifecycle).
+                proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args],
+                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env=child_env())
+        finally:
+            out.close()
         self.procs[name] = proc
         return proc
 
+    def _fork_node(self, name: str, args: tuple[str, ...], out) -> ForkedNode | None:
+        """The node forked from this launcher's zygote (zygote.py), which has imported
+        torch and the node code once; None where there is none (FEDEMU_ZYGOTE=0, or its
+        imports failed: the node then starts as its own process, which says why)."""
+        zygote = self.zygote if self.zygote is not None else shared_zygote()
+        try:
+            if zygote is None:
+                return None
+            node = zygote.request(list(args), out.fileno())
+            # Ours before it runs: a stop signal while the zygote still imports leaves
+            # it to stop() (which signals it once forked), not running unseen.
+            self.procs[name] = node
+            node.started()
+            return node
+        except ZygoteError as exc:
+            self.procs.pop(name, None)
+            if not self._zygote_warned:
+                self._zygote_warned = True
+                self.echo(f"warning: {exc}; nodes start as their own processes")
+            return None
+
     def start(self) -> None:
+        # First: its imports (~1.5 s) overlap the broker's start.
+        self.zygote = shared_zygote()
         self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
         self._check_device()
         self._make_token()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from .labels import algorithm_label, fmt, short
 from .report_figures import pyplot, save_figure
 from .report_tables import markdown_table
 from .results import (
-    ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, flat, is_sweep, load_record, load_run, load_sweep, time_to_target,
+    ALGORITHM_KEY, REPEAT_KEYS, VIEW_KEYS, RunRecord, default_folder, flat, is_sweep, load_record, load_run, load_sweep,
+    time_to_target,
 )
 
 
@@ -299,10 +301,31 @@ def ranking(results: list[Result], names: list[str], metric: str, target: float 
             + ", ".join(f"{_label(n)} {means[n] * scale:.2f} {unit}" for n in order) + ".")
 
 
+TAIL = 0.01  # the posterior is drawn out to where its density falls below this share of its peak
+
+
+def tail_halfwidth(df: float, scale: float, share: float = TAIL) -> float:
+    """How far from its mean a Student t density (df, scale) falls to ``share`` of its
+    peak: (1 + z²/df)^(-(df+1)/2) = share, solved for z. A few degrees of freedom
+    (few repetitions) give tails far wider than a normal's ±4 scales."""
+    return scale * math.sqrt(df * (share ** (-2.0 / (df + 1.0)) - 1.0))
+
+
 def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png", "svg"),
                     metric: str = "final_accuracy", target: float | None = None) -> list[Path]:
+    """``posteriors.EXT`` in ``out`` (see posterior_figure); returns their paths."""
+    plt = pyplot()
+    fig = posterior_figure(results, rope, metric, target)
+    paths = save_figure(fig, out, "posteriors", formats)
+    plt.close(fig)
+    return paths
+
+
+def posterior_figure(results: list[Result], rope: float, metric: str = "final_accuracy",
+                     target: float | None = None):
     """One panel per pair, as the paper's Figure 3: the posterior of B - A in
-    percentage points, the rope between two lines, the three probabilities."""
+    percentage points, the rope between two lines, the three probabilities; each
+    density drawn out to where it falls below 1% of its peak. Returns the Figure."""
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     from scipy import stats
 
@@ -317,8 +340,10 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
         extra.set_visible(False)
     for ax, r in zip(axes.flat, results):
         scale = np.sqrt(r.var)
-        lo = min(r.mean - 4 * scale, -1.6 * rope) if scale else min(r.mean, -1.6 * rope) - rope
-        hi = max(r.mean + 4 * scale, 1.6 * rope) if scale else max(r.mean, 1.6 * rope) + rope
+        # Half the share: the ends then lie below 1% of the peak as drawn, not on it.
+        reach = tail_halfwidth(r.df, scale, TAIL / 2) if scale else 0.0
+        lo = min(r.mean - reach, -1.6 * rope) if scale else min(r.mean, -1.6 * rope) - rope
+        hi = max(r.mean + reach, 1.6 * rope) if scale else max(r.mean, 1.6 * rope) + rope
         xs = np.linspace(lo, hi, 400)
         if scale:
             ys = stats.t.pdf(xs, r.df, r.mean, scale)
@@ -340,9 +365,7 @@ def plot_posteriors(results: list[Result], rope: float, out: Path, formats=("png
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"Posterior of the mean difference in {what} (dashed: rope ±{rope * factor:.3g} "
                  f"{'point' + ('s' if rope * factor != 1 else '') if unit == '%' else unit})")
-    paths = save_figure(fig, out, "posteriors", formats)
-    plt.close(fig)
-    return paths
+    return fig
 
 
 def render(results: list[Result], names: list[str], note: str, by: str, metric: str, rope: float,
@@ -377,10 +400,7 @@ def run(paths: list[str | Path], *, by: str = ALGORITHM_KEY, metric: str = "fina
     results, names, note = compare(collect(paths, where), by, metric, rope, target, unreached)
     rope = results[0].rope
     text = render(results, names, note, by, metric, rope, decide, target)
-    if out is None:
-        first = Path(paths[0])
-        out = first / "compare" if is_sweep(first) else Path("compare")
-    out = Path(out)
+    out = Path(out) if out is not None else default_folder(paths, "compare")
     out.mkdir(parents=True, exist_ok=True)
     figures = plot_posteriors(results, rope, out, formats, metric, target)
     pngs = [f"![posteriors]({p.name})" for p in figures if p.suffix == ".png"]

@@ -10,7 +10,8 @@ from pathlib import Path
 from .labels import short
 from .report_figures import plot_runs, plot_sweep_axes, plot_sweep_curves
 from .report_tables import markdown_table, run_head, run_rows, summary_rows
-from .results import REPEAT_KEYS, ReportError, RunRecord, SweepData, differing_keys, is_sweep, load_run, load_sweep
+from .results import (REPEAT_KEYS, ReportError, RunRecord, SweepData, default_folder, differing_keys, is_sweep,
+                      load_run, load_sweep)
 
 
 def report(paths: list[str | Path], out: str | Path | None = None, target: float | None = None,
@@ -24,9 +25,7 @@ def report(paths: list[str | Path], out: str | Path | None = None, target: float
             raise ReportError(f"{p} does not exist or is not a directory")
         if not is_sweep(p) and not (p / "config.toml").exists():
             raise ReportError(f"{p} is neither a run directory (config.toml) nor a sweep directory (sweep.db)")
-    if out is None:
-        out = paths[0] / "report" if len(paths) == 1 and is_sweep(paths[0]) else Path("report")
-    out = Path(out)
+    out = Path(out) if out is not None else default_folder(paths, "report")
     out.mkdir(parents=True, exist_ok=True)
     md = ["# fedemu report", ""]
     sweeps = [p for p in paths if is_sweep(p)]

@@ -143,6 +143,14 @@ def time_to_target(x: np.ndarray, accuracy: np.ndarray, target: float) -> float 
     return float(x[i - 1] + frac * (x[i] - x[i - 1]))
 
 
+def first_round_reaching(c: Curve, target: float) -> int | None:
+    """The first evaluated round whose accuracy reached ``target`` (what the launcher's
+    "reached target accuracy ... in round N" names), beside time_to_target's
+    interpolated figure; None if never reached."""
+    hit = np.flatnonzero(np.asarray(c.accuracy, dtype=float) >= target)
+    return int(c.rounds[hit[0]]) if hit.size else None
+
+
 def times_to_target(c: Curve, target: float) -> dict[str, float | None]:
     return {attr: time_to_target(getattr(c, attr), c.accuracy, target) for attr, *_ in X_AXES}
 
@@ -267,6 +275,16 @@ class SweepData:
 
 def is_sweep(path: Path) -> bool:
     return (path / "sweep.db").exists()
+
+
+def default_folder(paths: list[str | Path], name: str) -> Path:
+    """Where a study's output goes unless told: under the one run or sweep it is about
+    (RUN/report, SWEEP/compare), never the current folder, where the next one would
+    overwrite it. Several inputs have no such home, so the caller must choose."""
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        return Path(paths[0]) / name
+    raise ReportError(f"{len(paths)} inputs have no one folder for the {name}: choose one with -o/--out "
+                      f"(a single run or sweep gets its own, e.g. RUN/{name})")
 
 
 def load_sweep(path: str | Path) -> SweepData:

@@ -92,7 +92,8 @@ def sweep_task(folder: Path) -> None:
 
 @click.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), help="Report folder (default: SWEEP/report, or ./report).")
+@click.option("-o", "--out", type=click.Path(file_okay=False),
+              help="Report folder (default: RUN/report or SWEEP/report; required for several).")
 @click.option("--target", type=float, help="Accuracy for time to target, e.g. 0.9 (default: the sweep's or run's).")
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Figure formats, comma-separated.")
 @click.option("--timeline", is_flag=True,
@@ -127,12 +128,12 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
             folder = Path(out) if out else Path(paths[0]) / "report"
             folder.mkdir(parents=True, exist_ok=True)
             figures = plot_gantt(paths[0], folder, rounds, max_clients, kinds)
-            click.echo("timeline: " + ", ".join(str(p) for p in figures))
+            click.echo("timeline written to " + ", ".join(str(p) for p in figures))
             return
         folder = make_report(list(paths), out, target, kinds)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"report: {folder / 'report.md'}")
+    click.echo(f"report written to {folder}/: report.md and its figures")
 
 
 @click.command()
@@ -152,7 +153,8 @@ def report(paths: tuple[str, ...], out: str | None, target: float | None, format
                    "1% of the mean for *_to_target).")
 @click.option("--decide", default=0.95, show_default=True, help="Posterior mass a region needs for +, - or =.")
 @click.option("--where", multiple=True, metavar="SECTION.KEY=VALUE", help="Only runs with this config value.")
-@click.option("--out", type=click.Path(file_okay=False), help="Folder for compare.md and the posterior plots.")
+@click.option("-o", "--out", type=click.Path(file_okay=False),
+              help="Folder for compare.md and the posterior plots (default: SWEEP/compare; required for several).")
 def compare(paths: tuple[str, ...], by: str, metric: str, target: float | None, unreached: str, rope: float | None,
             decide: float, where: tuple[str, ...], out: str | None) -> None:
     """Bayesian correlated t-test (baycomp) between the groups of runs in PATHS (sweeps,
@@ -171,14 +173,14 @@ def compare(paths: tuple[str, ...], by: str, metric: str, target: float | None, 
     click.echo(f"\nposterior plots and compare.md: {folder}")
 
 
-@click.command()
+@click.command(short_help="A CSV row per evaluation of runs and sweeps; --trace: a run's timeline for Perfetto.")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True,
-              help="File to write ('-': standard output).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True),
+              help="File to write, '-' for standard output (default: standard output; with --trace RUN/trace.json).")
 @click.option("--trace", is_flag=True,
               help="Write one run's timeline as Chrome trace JSON instead (Perfetto, chrome://tracing): a track "
                    "per client.")
-def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
+def export(paths: tuple[str, ...], output: str | None, trace: bool) -> None:
     """One tidy table of runs and sweeps: a CSV row per evaluation, with each run's path,
     status, algorithm and the keys that vary between runs (a sweep's axes). With
     --trace, one run's timeline in the Chrome trace event format."""
@@ -191,6 +193,7 @@ def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
 
         if len(paths) != 1:
             raise click.UsageError("--trace exports one run: give one run directory")
+        output = output or str(Path(paths[0]) / "trace.json")
         try:
             with click.open_file(output, "w", encoding="utf-8") as out:
                 count = write_trace(paths[0], out)
@@ -199,6 +202,7 @@ def export(paths: tuple[str, ...], output: str, trace: bool) -> None:
         if output != "-":
             click.echo(f"{count} trace events -> {output} (open it in ui.perfetto.dev or chrome://tracing)", err=True)
         return
+    output = output or "-"
     try:
         records = evaluation_records(list(paths))
     except ReportError as exc:

@@ -19,6 +19,9 @@ from fedemu.node.net.trace_files import RATE_FIELDS, TraceTable
 from fedemu.node.net.traces import TraceError
 
 FORMAT_CHOICE = click.Choice(["auto", *trace_files.FORMATS])
+# convert's averaging window for Mahimahi traces: a packet is 1,500 bytes, so 1 ms steps
+# alternate between 12 Mbit/s bursts and nothing; 100 ms gives a rate to 0.12 Mbit/s.
+MAHIMAHI_WINDOW_MS = 100
 
 
 @click.group("traces")
@@ -31,16 +34,21 @@ def traces() -> None:
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The fedemu CSV to write.")
 @click.option("--format", "fmt", type=FORMAT_CHOICE, default="auto", show_default=True,
               help="The inputs' format (auto: told by their content).")
-@click.option("--direction", type=click.Choice(["up", "down", "both"]), default="both", show_default=True,
-              help="Mahimahi inputs: the link(s) they describe.")
-def convert(inputs: tuple[str, ...], out: str, fmt: str, direction: str) -> None:
+@click.option("--direction", type=click.Choice(["auto", "up", "down", "both"]), default="auto", show_default=True,
+              help="Mahimahi inputs: the link(s) they describe (auto: a file named *.up the uplink, *.down the "
+                   "downlink, any other both).")
+@click.option("--window-ms", type=click.IntRange(min=1), default=MAHIMAHI_WINDOW_MS, show_default=True,
+              help="Mahimahi inputs: the rate written is the delivery opportunities' averaged over windows of "
+                   "this many ms (equal consecutive windows merge into one row).")
+def convert(inputs: tuple[str, ...], out: str, fmt: str, direction: str, window_ms: int) -> None:
     """Convert trace files (FedScale pickles, Mahimahi traces, fedemu CSVs) into one fedemu CSV."""
-    fields = {"up": ("up_bytes_per_s",), "down": ("down_bytes_per_s",), "both": RATE_FIELDS}[direction]
+    fields = {"auto": None, "up": ("up_bytes_per_s",), "down": ("down_bytes_per_s",), "both": RATE_FIELDS}[direction]
     try:
-        merged = merge([trace_files.read(path, fmt, fields) for path in inputs])
+        merged = merge([trace_files.read(path, fmt, fields, window_ms) for path in inputs])
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     tmp = Path(out).with_name(Path(out).name + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)  # -o runs/population.csv before any run made runs/
     with open(tmp, "w", newline="") as f:
         rows = trace_files.write_csv(merged, f)
     tmp.replace(out)  # a reader never sees half a file
@@ -121,7 +129,7 @@ def _quantiles(values: np.ndarray, scale: float = 1.0) -> str:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=FORMAT_CHOICE, default="auto", show_default=True)
 @click.option("--figure", type=click.Path(dir_okay=False),
-              help="Where to draw it (PNG); default: FILE's name + .stats.png in the current directory.")
+              help="Where to draw it (PNG); default: FILE.stats.png, beside FILE.")
 def stats(file: str, fmt: str, figure: str | None) -> None:
     """Summarise a trace file: entries, time span, the distribution of rates, compute
     and availability; and a figure of them."""
@@ -145,15 +153,26 @@ def stats(file: str, fmt: str, figure: str | None) -> None:
         grid, share = s["online_over_time"]
         click.echo(f"  share of time online (each entry): {_quantiles(s['online_share'])}")
         click.echo(f"  entries online at once: mean {share.mean():.3f}, min {share.min():.3f}, max {share.max():.3f}")
-    out = Path(figure) if figure else Path(Path(file).name + ".stats.png")
+    # Beside the trace, as a report goes under its run: not wherever the command ran.
+    out = Path(figure) if figure else Path(file + ".stats.png")
     draw(s, out)
     click.echo(f"  figure: {out}")
 
 
 def draw(s: dict, out: Path) -> None:
+    """The figure of ``stats_figure`` as a PNG at ``out``."""
+    fig = stats_figure(s)
+    fig.savefig(out, dpi=110)
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def stats_figure(s: dict):
+    """The rates, compute and availability of a ``summary``, a panel each; returns the Figure."""
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
@@ -171,21 +190,22 @@ def draw(s: dict, out: Path) -> None:
             ax.set_ylabel(f"rate (Mbit/s, mean over {step * 1000:g} ms)")
             ax.set_ylim(bottom=0)
         elif panel == "rates":
+            drawn = [s[name] * 8e-6 for name in RATE_FIELDS if name in s]
             for name, style in zip(RATE_FIELDS, ("-", "--")):  # dashed: the downlink, often the uplink's equal
                 if name in s:
                     _cdf(ax, s[name] * 8e-6, name[:-len("_bytes_per_s")] + "link", style)
             ax.set_xlabel("mean rate per entry (Mbit/s)")
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            _spread_axis(ax, np.concatenate(drawn))
         elif panel == "compute":
             if "example_s" in s:
-                _cdf(ax, s["example_s"] * 1e3, "ms per example")
+                drawn = s["example_s"] * 1e3
+                _cdf(ax, drawn, "ms per example")
                 ax.set_xlabel("training time per example (ms)")
             else:
-                _cdf(ax, s["flops"] * 1e-9, "GFLOP/s")
+                drawn = s["flops"] * 1e-9
+                _cdf(ax, drawn, "GFLOP/s")
                 ax.set_xlabel("training speed (GFLOP/s)")
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels between decades
+            _spread_axis(ax, drawn)
         else:
             grid, share = s["online_over_time"]
             hours = s["span_s"] > 4 * 3600
@@ -200,8 +220,23 @@ def draw(s: dict, out: Path) -> None:
     fig.suptitle(f"{Path(s['source']).name}: {s['entries']} {'entry' if s['entries'] == 1 else 'entries'}",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _spread_axis(ax, values: np.ndarray) -> None:
+    """A log x axis where the values span a decade or more, labelled at 1, 2 and 5 of
+    each decade as plain numbers; a linear one otherwise (a log axis under a decade
+    shows one labelled tick, or none)."""
+    # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
+    import matplotlib.ticker
+
+    values = values[np.isfinite(values) & (values > 0)]
+    if not len(values) or values.max() < 10 * values.min():
+        return
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels between the 1-2-5 ones
 
 
 def _cdf(ax, values: np.ndarray, label: str, style: str = "-") -> None:

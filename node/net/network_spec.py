@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..schema import did_you_mean, did_you_mean_key
 from ..streams import uniform
 from .availability import Availability, parse_ids
 from .links import Network
@@ -94,7 +95,9 @@ class NetworkSpec:
     def from_config(cls, section: dict, num_clients: int, run_seed: int, time_scale: float = 1.0) -> NetworkSpec:
         unknown = set(section) - set(NETWORK_KEYS)
         if unknown:
-            raise LinkConfigError(f"unknown key network.{sorted(unknown)[0]}; [network] has {', '.join(NETWORK_KEYS)}")
+            key = sorted(unknown)[0]
+            raise LinkConfigError(f"unknown key network.{key}{did_you_mean_key('network', key, NETWORK_KEYS)}; "
+                                  f"[network] has {', '.join(NETWORK_KEYS)}")
         seed = section.get("seed", run_seed)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise LinkConfigError(f"network.seed = {seed!r} must be an integer in [0, 2**63)")
@@ -102,7 +105,8 @@ class NetworkSpec:
             raise LinkConfigError(f"run.time_scale = {time_scale!r} must be a number > 0")
         transport = section.get("transport", "tcp")
         if transport not in TRANSPORTS:
-            raise LinkConfigError(f"network.transport = {transport!r} must be one of {', '.join(TRANSPORTS)} "
+            raise LinkConfigError(f"network.transport = {transport!r}{did_you_mean(transport, TRANSPORTS)} "
+                                  f"must be one of {', '.join(TRANSPORTS)} "
                                   "(how every profile's messages cross their links, unless the profile says)")
         buffer = section.get("server_buffer_bytes")
         if buffer is not None and (isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 < buffer < 2**40):
@@ -118,7 +122,8 @@ class NetworkSpec:
 
         def known(name: Any, where: str) -> str:
             if name not in profiles:
-                raise LinkConfigError(f"{where} = {name!r} is not a profile; profiles are {', '.join(profiles)}")
+                raise LinkConfigError(f"{where} = {name!r} is not a profile{did_you_mean(name, profiles)}; "
+                                      f"profiles are {', '.join(profiles)}")
             return name
 
         default = known(section.get("default_profile", "ideal"), "network.default_profile")
@@ -244,7 +249,8 @@ def _availability(section: Any, num_clients: int, seed: int) -> Availability | N
         raise LinkConfigError("network.dropout must be a table")
     allowed = {"per_round", "clients", "windows", "leave", "on_off"}
     if set(section) - allowed:
-        raise LinkConfigError(f"unknown key network.dropout.{sorted(set(section) - allowed)[0]}; "
+        key = sorted(set(section) - allowed)[0]
+        raise LinkConfigError(f"unknown key network.dropout.{key}{did_you_mean_key('network.dropout', key, allowed)}; "
                               f"[network.dropout] has {', '.join(sorted(allowed))}")
     if not section:
         return None

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..schema import did_you_mean_key
+
 UP, DOWN = 0, 1
 DIRECTIONS = {"up": UP, "down": DOWN}
 
@@ -99,7 +101,8 @@ class LinkProfile:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key not in known:
-                raise LinkConfigError(f"unknown key {where}.{key}; link keys are {', '.join(sorted(known))}")
+                raise LinkConfigError(f"unknown key {where}.{key}{did_you_mean_key(where, key, known)}; "
+                                      f"link keys are {', '.join(sorted(known))}")
             kwargs[key] = parse_bandwidth(value, f"{where}.{key}") if key == "bandwidth" else value
         profile = cls(**kwargs)
         profile.validate(where)

@@ -20,7 +20,10 @@ Formats (``detect`` tells them apart by their content):
   Pickles are read with an unpickler that builds no object at all (every global is
   refused), and what it returns must be plain dicts, lists, numbers and strings.
 * **mahimahi**: one link's packet-delivery trace (traces.RateTrace.from_mahimahi); the
-  config says which direction it plays.
+  config says which direction it plays. Read without one (``fedemu traces``), a file
+  named ``*.up`` or ``*.down`` (mm-link's uplink and downlink files) fills only its
+  direction (:func:`mahimahi_direction`), any other name both; the entry is named for
+  the link (``phone`` of ``phone.up``), so that a pair converts to one entry.
 """
 from __future__ import annotations
 
@@ -101,9 +104,19 @@ def detect(path: Path) -> str:
                      "trace is a pickle")
 
 
-def read(path: str | Path, format: str = "auto", mahimahi_fields: tuple[str, ...] = RATE_FIELDS) -> TraceTable:
+def mahimahi_direction(path: str | Path) -> tuple[str, ...]:
+    """The rate fields a Mahimahi file describes, by its name: mm-link takes an uplink
+    and a downlink file, conventionally ``NAME.up`` and ``NAME.down``; a name that says
+    neither describes both."""
+    suffix = Path(path).suffix.lower()
+    return {".up": ("up_bytes_per_s",), ".down": ("down_bytes_per_s",)}.get(suffix, RATE_FIELDS)
+
+
+def read(path: str | Path, format: str = "auto", mahimahi_fields: tuple[str, ...] | None = None,
+         mahimahi_window_ms: int = 1) -> TraceTable:
     """A trace file as a table. A Mahimahi trace becomes one entry (the file's name)
-    whose ``mahimahi_fields`` all follow it."""
+    whose ``mahimahi_fields`` all follow it (None: as its name says, mahimahi_direction),
+    in steps of ``mahimahi_window_ms`` (RateTrace.from_mahimahi)."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"trace file {path} does not exist")
@@ -114,10 +127,14 @@ def read(path: str | Path, format: str = "auto", mahimahi_fields: tuple[str, ...
         return _fedscale(path, load_plain_pickle(path))
     if kind == "mahimahi":
         with open(path) as f:
-            rate = RateTrace.from_mahimahi(f, where=str(path))
+            rate = RateTrace.from_mahimahi(f, where=str(path), window_ms=mahimahi_window_ms)
         table = TraceTable(str(path), "mahimahi")
-        table.entries[path.name] = {name: (rate.times, rate.values) for name in mahimahi_fields}
-        table.periods[path.name] = rate.period
+        fields = mahimahi_direction(path) if mahimahi_fields is None else mahimahi_fields
+        # A one-direction file is named for its link (phone.up): so is its entry, which
+        # the other direction's file (phone.down) then joins when converted together.
+        entry = path.stem if len(fields) == 1 and mahimahi_direction(path) == fields else path.name
+        table.entries[entry] = {name: (rate.times, rate.values) for name in fields}
+        table.periods[entry] = rate.period
         return table
     return _fedemu_csv(path)
 

@@ -158,9 +158,15 @@ class RateTrace(StepSeries):
 
     @classmethod
     def from_mahimahi(cls, lines: Iterable[str], where: str = "mahimahi trace",
-                      packet_bytes: int = MAHIMAHI_PACKET_BYTES) -> RateTrace:
+                      packet_bytes: int = MAHIMAHI_PACKET_BYTES, window_ms: int = 1) -> RateTrace:
         """A Mahimahi packet-delivery trace (one timestamp in ms per line, repeating
-        after the last) as steps of one millisecond each."""
+        after the last) as steps of ``window_ms`` each: the rate that serves that window's
+        opportunities, averaged over it (the last window may be shorter; equal
+        consecutive windows merge). 1 ms, the emulator's, keeps every millisecond's bytes
+        exact; a wider window (``fedemu traces convert --window-ms``) gives a rate, not
+        1,500-byte bursts."""
+        if not (isinstance(window_ms, int) and window_ms >= 1):
+            raise TraceError(f"{where}: the averaging window must be a whole number of ms >= 1, not {window_ms!r}")
         stamps: list[int] = []
         for number, line in enumerate(lines, 1):
             text = line.strip()
@@ -182,5 +188,7 @@ class RateTrace(StepSeries):
         # An opportunity at ms t serves its packet in the millisecond [t - 1, t); one at 0,
         # in the first millisecond.
         slots = np.bincount(np.maximum(np.asarray(stamps), 1) - 1, minlength=period_ms)
-        rates = slots * packet_bytes * 1000.0  # bytes per second within each millisecond
-        return cls(np.arange(period_ms) / 1000.0, rates, period=period_ms / 1000.0, where=where)
+        starts = np.arange(0, period_ms, window_ms)
+        widths_ms = np.minimum(starts + window_ms, period_ms) - starts
+        rates = np.add.reduceat(slots, starts) * packet_bytes * 1000.0 / widths_ms  # bytes/s within each window
+        return cls(starts / 1000.0, rates, period=period_ms / 1000.0, where=where)

@@ -1,0 +1,117 @@
+"""Local nodes fork from the zygote (launch/running/zygote.py, issue 53): real zygote, real
+forked processes, real runs; each compared with the old path (FEDEMU_ZYGOTE=0)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedemu.launch.running.zygote import SWITCH_ENV, Zygote
+from fedemu.server.runlog import read_events
+
+from .test_transport_regression import WALL_FIELDS
+
+
+def _fork(zygote: Zygote, args: list[str], out: Path):
+    with open(out, "ab") as f:
+        node = zygote.request(args, f.fileno())
+    node.started()
+    return node
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def test_a_forked_process_is_what_the_command_would_be(tmp_path):
+    zygote = Zygote()
+    try:
+        # One that fails at once: the same exit code and last words as the command's.
+        args = ["node", "worker", "--broker", "ipc:///nowhere", "--run-dir", str(tmp_path), "--workers", "1"]
+        node = _fork(zygote, args, tmp_path / "forked.out")
+        assert node.parent_threads == 1  # the zygote forked with no thread but its own
+        code = node.wait(120)
+        old = subprocess.run([sys.executable, "-m", "fedemu.launch", *args], capture_output=True, text=True)
+        assert code == old.returncode != 0
+        forked = (tmp_path / "forked.out").read_text().strip().splitlines()
+        assert forked[-1] == old.stderr.strip().splitlines()[-1]
+        # One that runs until stopped: its command line, session and parent; it dies of the signal.
+        endpoint = tmp_path / "broker.endpoint"
+        args = ["broker", "--bind", f"ipc://{tmp_path}/broker", "--endpoint-file", str(endpoint)]
+        node = _fork(zygote, args, tmp_path / "broker.out")
+        deadline = time.monotonic() + 60
+        while not endpoint.exists():
+            assert node.poll() is None, (tmp_path / "broker.out").read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cmdline = Path(f"/proc/{node.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        assert [a.decode() for a in cmdline] == [sys.executable, "-m", "fedemu.launch", *args]
+        stat = _stat(node.pid)
+        assert int(stat[1]) == zygote.proc.pid  # its parent
+        assert int(stat[3]) == node.pid  # a session of its own
+        node.terminate()
+        assert node.wait(30) == -signal.SIGTERM
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+
+
+def _launch(run_dir: Path, zygote: str, *sets: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
+            "--set", "run.target_accuracy=0", "--set", "data.clients=20", "--set", "algorithm.C=0.2"]
+    for item in sets:
+        argv += ["--set", item]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, SWITCH_ENV: zygote})
+
+
+def _wall_free(events: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k not in WALL_FIELDS} for e in events]
+
+
+@pytest.mark.mnist
+def test_a_run_from_the_zygote_is_the_run_without_it(tmp_path):
+    runs = {}
+    for zygote in ("1", "0"):
+        run_dir = tmp_path / f"zygote-{zygote}"
+        proc = _launch(run_dir, zygote, "run.rounds=2")
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        runs[zygote] = run_dir
+        for name in ("server", "worker-0", "worker-1"):
+            said = "forked from the zygote" in (run_dir / "logs" / f"{name}.log").read_text()
+            assert said == (zygote == "1"), name
+    summaries = {z: json.loads((d / "summary.json").read_text()) for z, d in runs.items()}
+    assert summaries["1"]["weights_sha256"] == summaries["0"]["weights_sha256"]
+    assert _wall_free(read_events(runs["1"])) == _wall_free(read_events(runs["0"]))
+    assert sorted(p.name for p in (runs["1"] / "logs").iterdir()) == sorted(p.name for p in (runs["0"] / "logs").iterdir())
+
+
+@pytest.mark.mnist
+def test_a_run_stopped_while_its_nodes_run_ends_interrupted_and_leaves_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, "1", "run.rounds=500", "run.clock=wall")
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "round" for e in read_events(run_dir)):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "no round finished"
+        time.sleep(0.2)
+    found = subprocess.run(["pgrep", "-f", f"node server .*--run-dir {run_dir}"], capture_output=True, text=True)
+    server = int(found.stdout.split()[0])
+    parent = int(_stat(server)[1])
+    assert b"fedemu.launch.running.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    assert int(_stat(parent)[1]) == proc.pid  # the zygote is the launcher's child
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{parent}").exists() or Path(f"/proc/{server}").exists():  # the zygote too
+        assert time.monotonic() < deadline, "the zygote or a node outlived its launcher"
+        time.sleep(0.1)
