@@ -39,12 +39,18 @@ class Stack:
     # TcpCubic; its TcpLinuxReno and Linux stop at ssthresh, the rest counted in
     # congestion avoidance).
     slow_start_overshoots: bool
+    # The retransmission timeout's floor: Linux floors the variance term (RTO = srtt +
+    # max(4 rttvar, rto_min): its rttvar never falls below tcp_rto_min), RFC 6298 and
+    # ns-3 the sum (max(rto_min, srtt + 4 rttvar)), 70 ms shorter on `lte`.
+    rto_floors_variance: bool
 
 
 LINUX = Stack(reno_friendly=True, hystart=True, hystart_train=0.5, hystart_delay=(8, 0.004, 0.016),
-              backoff_until_sample=False, first_ack_alone=False, slow_start_overshoots=False)
+              backoff_until_sample=False, first_ack_alone=False, slow_start_overshoots=False,
+              rto_floors_variance=True)
 NS3_337 = Stack(reno_friendly=False, hystart=True, hystart_train=1.0, hystart_delay=(1, 0.004, 1.0),
-                backoff_until_sample=True, first_ack_alone=True, slow_start_overshoots=True)
+                backoff_until_sample=True, first_ack_alone=True, slow_start_overshoots=True,
+                rto_floors_variance=False)
 STACK = LINUX
 
 DELAYED_ACK_SEGMENTS = 2  # RFC 1122/5681: an ACK for every second full segment

@@ -1,7 +1,8 @@
 """Loss recovery: what a round's ACKs tell the sender, and what it does about a loss.
 
-* the RTT estimator and the retransmission timer (RFC 6298: minimum ``rto_min_s``,
-  doubled per expiry up to :data:`RTO_MAX_S`);
+* the RTT estimator and the retransmission timer (RFC 6298's estimator; Linux's floor,
+  srtt + max(4 rttvar, ``rto_min_s``), or RFC 6298's as the stack says; doubled per
+  expiry up to :data:`RTO_MAX_S`);
 * SACK-based fast retransmit once three segments after a hole arrived (limited
   transmit, RFC 3042, lends two), one window reduction per episode, then proportional
   rate reduction (RFC 6937: :func:`enter_recovery` sets it up, connection.py's round
@@ -38,7 +39,11 @@ def rtt_sample(flow: Flow, sample: float, acks: int, profile: LinkProfile) -> No
         a, b = 0.875 ** acks, 0.75 ** acks
         flow.rttvar = b * flow.rttvar + 2.0 * d * (a - b)
         flow.srtt = sample + (flow.srtt - sample) * a
-    flow.rto = min(max(profile.rto_min_s, flow.srtt + 4 * flow.rttvar), RTO_MAX_S)
+    if presets.STACK.rto_floors_variance:
+        rto = flow.srtt + max(4 * flow.rttvar, profile.rto_min_s)
+    else:
+        rto = max(profile.rto_min_s, flow.srtt + 4 * flow.rttvar)
+    flow.rto = min(rto, RTO_MAX_S)
 
 
 def feedback(flow: Flow, rnd: Round, t: float, profile: LinkProfile) -> None:
