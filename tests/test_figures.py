@@ -68,7 +68,7 @@ def problems(fig) -> list[str]:
                     if used and len(vertices) and not _inside(vertices[:, d], limits[d]).all():
                         found.append(f"{where}: a band or bar reaches {vertices[:, d].max():.3g} / "
                                      f"{vertices[:, d].min():.3g}, outside {sorted(limits[d])}")
-            if collection.get_paths():
+            if any(np.ptp(p.vertices, axis=0).min() > 0 for p in collection.get_paths()):  # not of no width
                 colours.update(to_rgb(c) for c in collection.get_facecolor())
                 colours.update(to_rgb(c) for c in collection.get_edgecolor())
         for patch in ax.patches:
@@ -96,15 +96,10 @@ def drawn(monkeypatch):
     return figures
 
 
-def _with_round_facts(run_dir: Path, seconds: float, offline: int = 0) -> None:
+def _round_facts(seconds: float, offline: int = 0) -> dict:
     """What the server logs of each round besides accuracy: its emulated length and
     what happened to its selected clients."""
-    path = run_dir / "events.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()]
-    for e in events:
-        if e["event"] == "round":
-            e.update(round_emulated_s=seconds, outcome_counts={"answered": 10 - offline, "offline": offline})
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return {"round_emulated_s": seconds, "outcome_counts": {"answered": 10 - offline, "offline": offline}}
 
 
 class ConditionsRunner:
@@ -118,11 +113,11 @@ class ConditionsRunner:
         if name == "coop":
             make_run(run_dir, [0.5, 0.6, 0.65, 0.7, 0.72], config=config, seconds_per_round=0.0)
         elif slow:
-            make_run(run_dir, [0.5, 0.7, 0.8], config=config, seconds_per_round=8.0 + seed)
-            _with_round_facts(run_dir, 8.0 + seed, offline=2)
+            make_run(run_dir, [0.5, 0.7, 0.8], config=config, seconds_per_round=8.0 + seed,
+                     round_fields=_round_facts(8.0 + seed, offline=2))
         else:
-            make_run(run_dir, [0.6, 0.8, 0.9 if seed == 1 else 0.84], config=config, seconds_per_round=2.0)
-            _with_round_facts(run_dir, 2.0)
+            make_run(run_dir, [0.6, 0.8, 0.9 if seed == 1 else 0.84], config=config, seconds_per_round=2.0,
+                     round_fields=_round_facts(2.0))
         return json.loads((run_dir / "summary.json").read_text())
 
 

@@ -172,7 +172,8 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
             kind = "failed" if failed else "late" if span.outcome == "late" else span.kind
             height = 0.5 if span.kind == "compute" else 0.7
             ax.broken_barh([(start, max(end - start, 0.0))], (row - height / 2, height), facecolors=COLORS[kind])
-            drawn.add(kind)
+            if end - start > (hi - lo) * 0.002:  # a transfer refused at once is only its ×
+                drawn.add(kind)
             if failed and span.end <= hi + pad:
                 ax.plot([span.end], [row], marker="x", color=COLORS["failed"], markersize=7, mew=2)
                 drawn.add("failed at")
