@@ -16,8 +16,9 @@ from fedemu.launch.cli import main
 
 def make_run(run_dir: Path, accuracies: list[float | None], *, sets: dict | None = None, finished: bool = True,
              bytes_per_round: int = 2_000_000, seconds_per_round: float = 2.0, time_scale: float = 1.0,
-             status: str = "completed", config: dict | None = None) -> Path:
-    """A run directory as the server writes it: config.toml, events.jsonl, summary.json."""
+             status: str = "completed", config: dict | None = None, round_fields: dict | None = None) -> Path:
+    """A run directory as the server writes it: config.toml, events.jsonl, summary.json;
+    ``round_fields``: more fields of every round event."""
     config = config or configuration.default()
     config["run"]["time_scale"] = time_scale
     for key, value in (sets or {}).items():
@@ -30,7 +31,8 @@ def make_run(run_dir: Path, accuracies: list[float | None], *, sets: dict | None
     for i, acc in enumerate(accuracies, start=1):
         t = 0.5 + i * seconds_per_round / time_scale
         events.append({"event": "round", "t": t, "round": i, "accuracy": acc, "bytes_up": bytes_per_round,
-                       "emulated_s": broker_start + t * time_scale, "round_s": seconds_per_round / time_scale})
+                       "emulated_s": broker_start + t * time_scale, "round_s": seconds_per_round / time_scale,
+                       **(round_fields or {})})
     if finished:
         events.append({"event": "end", "t": events[-1]["t"], "status": status})
     with open(run_dir / "events.jsonl", "w") as f:

@@ -193,11 +193,11 @@ def _outcome_legend(fig, outcome_sets: list[dict]) -> None:
                loc="outside lower center", ncol=len(seen), frameon=False)
 
 
-def _panel_grid(plt, n: int, width: float = 4.6, height: float = 3.4, sharex: bool = False):
+def _panel_grid(plt, n: int, width: float = 4.6, height: float = 3.4, sharex: bool = False, sharey: bool = True):
     cols = min(n, 3) if n != 4 else 2
     rows = math.ceil(n / cols)
     # Constrained layout keeps titles, labels and the figure legend from overlapping.
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8), squeeze=False, sharey=True,
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.8), squeeze=False, sharey=sharey,
                              sharex=sharex, layout="constrained")
     for extra in axes.flat[n:]:
         extra.set_visible(False)
@@ -248,8 +248,10 @@ def plot_sweep_curves(data: SweepData, out: Path, formats=("png", "svg")) -> lis
                 curves = [(getattr(r.curve, attr), (r.curve.accuracy * 100 if y == "accuracy" else r.curve.loss))
                           for r in runs]
                 x, mean, low, high = spread(curves)
-                ax.plot(x, mean, color=colors[algo], linewidth=1.6,
-                        linestyle="-" if all(r.status == "completed" for r in runs) else ":")
+                # Markers where points are few: evaluations at one instant (CO-OP's, on a
+                # clock that stood still) make a line of no length, which draws nothing.
+                ax.plot(x, mean, color=colors[algo], linewidth=1.6, marker="o" if len(x) < 25 else None,
+                        markersize=3, linestyle="-" if all(r.status == "completed" for r in runs) else ":")
                 if len(runs) > 1:
                     ax.fill_between(x, low, high, color=colors[algo], alpha=0.2, linewidth=0)
             ax.set_title(", ".join(f"{short(k)} = {fmt(v)}" for k, v in combo.items()) or "all points")
@@ -282,22 +284,30 @@ def plot_sweep_rounds(data: SweepData, out: Path, formats) -> list[Path]:
     paths = []
     timed = [r for r in data.runs if r.series is not None and np.isfinite(r.series.duration_s).any()]
     if timed:
-        fig, panels = _panel_grid(plt, len(combos), sharex=True)
+        # Each panel its own y: a slow link's rounds would otherwise squash a fast one's,
+        # and each axis is fitted to its whole band (a limit fixed while panels were still
+        # being drawn once cut off the slowest).
+        fig, panels = _panel_grid(plt, len(combos), sharex=True, sharey=False)
+        shown = set()  # asynchronous rules have no rounds to time: the legend names the rest
         for ax, combo in zip(panels, combos):
+            top = 0.0
             for algo in algos:
                 runs = [r for r in timed if r.algorithm == algo and matches(r, combo)]
                 if runs:
+                    shown.add(algo)
                     x, mean, low, high = spread([(r.series.rounds, r.series.duration_s) for r in runs])
-                    ax.plot(x, mean, color=colors[algo], linewidth=1.4)
+                    ax.plot(x, mean, color=colors[algo], linewidth=1.4, marker="o" if len(x) < 25 else None,
+                            markersize=3)
                     if len(runs) > 1:
                         ax.fill_between(x, low, high, color=colors[algo], alpha=0.2, linewidth=0)
+                    top = max(top, float(np.nanmax(high)))
             ax.set_title(", ".join(f"{short(k)} = {fmt(v)}" for k, v in combo.items()) or "all points")
             ax.set_xlabel(x_label("rounds", timed))
             _integer_ticks(ax)
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(0, top * 1.05 or 1.0)
             ax.grid(True, alpha=0.3)
-        panels[0].set_ylabel("emulated seconds")
-        _figure_legend(fig, colors, algos)
+            ax.set_ylabel("emulated seconds")
+        _figure_legend(fig, colors, [a for a in algos if a in shown])
         fig.suptitle("How long each round took (emulated; mean, band: min to max)")
         paths += save_figure(fig, out, "round-duration", formats)
         plt.close(fig)
@@ -366,17 +376,17 @@ def plot_sweep_axes(data: SweepData, out: Path, formats=("png", "svg")) -> list[
                 continue
             ylabel = ylabel.format(target=data.target * 100)
             fig, panels = _panel_grid(plt, len(others), 4.2, 3.4)
-            missing, top = 0, 0.0
+            partial, none_reached, top = 0, 0, 0.0  # cells labelled "k of n"; cells marked ×
             for ax, combo in zip(panels, others):
                 for j, algo in enumerate(algos):
                     xs, ys, lo, hi = [], [], [], []
                     for i, v in enumerate(values):
                         cell = Cell([metric(r, name, data.target) for r in data.completed if r.algorithm == algo
                                      and matches(r, {**combo, axis: v})])
-                        missing += len(cell.values) - len(cell.reached)
                         # Algorithms side by side, so their bars do not hide each other.
                         x = i + (j - (len(algos) - 1) / 2) * 0.06
                         if cell.values and cell.mean() is None:  # no repetition got there
+                            none_reached += 1
                             ax.plot([x], [0.96], marker="x", markersize=8, color=colors[algo], linestyle="none",
                                     transform=ax.get_xaxis_transform(), clip_on=False)
                             continue
@@ -389,6 +399,7 @@ def plot_sweep_axes(data: SweepData, out: Path, formats=("png", "svg")) -> list[
                         hi.append(max(cell.reached) - cell.mean())
                         if name.startswith("tt_") and len(cell.reached) < len(cell.values):
                             # The mean is of the repetitions that got there: say how many did.
+                            partial += 1
                             ax.annotate(f"{len(cell.reached)} of {len(cell.values)}", (x, cell.mean()),
                                         textcoords="offset points", xytext=(6, 4), fontsize=8, color=colors[algo])
                     ax.errorbar(xs, ys, yerr=[lo, hi], color=colors[algo], marker="o", capsize=3, linewidth=1.6,
@@ -406,9 +417,11 @@ def plot_sweep_axes(data: SweepData, out: Path, formats=("png", "svg")) -> list[
             _figure_legend(fig, colors, algos)
             reps = [k for k in data.axes if k in REPEAT_KEYS]
             note = f"mean of {', '.join(short(k) + 's' for k in reps)}; bars: min to max" if reps else ""
-            if missing and name.startswith("tt_"):
-                note += (f"{'; ' if note else ''}k of n: of the repetitions that reached it (the mean is of those); "
-                         "×: none did")
+            # Explain only the marks drawn.
+            if partial:
+                note += f"{'; ' if note else ''}k of n: of the repetitions that reached it (the mean is of those)"
+            if none_reached:
+                note += f"{'; ' if note else ''}×: none reached it"
             fig.suptitle(f"{what.format(target=data.target * 100).capitalize()} against {short(axis)}"
                          + (f"\n({note})" if note else ""))
             paths += save_figure(fig, out, f"{name.replace('_', '-')}-vs-{_slug(axis)}", formats)

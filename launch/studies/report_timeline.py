@@ -130,6 +130,7 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     upload; offline shaded; a lost transfer marked ×), the rounds' bounds and deadlines
     marked. Returns the files written (``timeline.EXT`` in ``out``)."""
     # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     timeline = load(run_dir)
@@ -143,30 +144,46 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
         clients = sorted(k for k, spans in timeline.spans.items()
                          if any(s.kind != "offline" and s.start < hi and s.end > lo for s in spans))
     shown = clients[:max_clients]
+    # In a round-based run a row shows a client only in the rounds it was selected for:
+    # outside them it was not asked to do anything, so offline there is not its story.
+    windows = {k: [timeline.rounds[r][:2] for r in chosen if k in timeline.selected.get(r, [])] for k in shown}
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.28 * max(len(shown), 3)), layout="constrained")
     pad = (hi - lo) * 0.02 or 1.0
+    drawn: set[str] = set()  # what the legend lists: only marks the figure has
     for row, k in enumerate(shown):
         for span in timeline.spans.get(k, []):
-            end = min(span.end, hi + pad)
+            # Cut to the window drawn, so that nothing lies outside the axes.
+            start, end = max(span.start, lo - pad), min(span.end, hi + pad)
             if end < lo - pad or span.start >= hi:  # the next round's first instant is not these rounds'
                 continue
             if span.kind == "offline":
-                ax.broken_barh([(span.start, end - span.start)], (row - 0.45, 0.9), facecolors=COLORS["offline"],
-                               alpha=0.35, hatch="//", edgecolor="#666666", linewidth=0)
+                pieces = [(start, end)] if rounds_word != "round" else [
+                    (max(start, a), min(end, b)) for a, b in windows[k] if start < b and end > a]
+                for a, b in pieces:
+                    ax.broken_barh([(a, b - a)], (row - 0.45, 0.9), facecolors=COLORS["offline"],
+                                   alpha=0.35, hatch="//", edgecolor="#666666", linewidth=0)
+                    drawn.add("offline")
                 continue
+            if rounds_word == "round" and not any(k in timeline.selected.get(r, []) for r in chosen
+                                                  if r == span.round):
+                continue  # another round's work (one not drawn, or one this client sat out)
             failed = span.kind in ("download", "upload") and span.outcome not in ("delivered", "")
-            color = COLORS["failed"] if failed else COLORS["late"] if span.outcome == "late" else COLORS[span.kind]
+            kind = "failed" if failed else "late" if span.outcome == "late" else span.kind
             height = 0.5 if span.kind == "compute" else 0.7
-            ax.broken_barh([(span.start, max(end - span.start, 0.0))], (row - height / 2, height), facecolors=color)
-            if failed:
+            ax.broken_barh([(start, max(end - start, 0.0))], (row - height / 2, height), facecolors=COLORS[kind])
+            if end - start > (hi - lo) * 0.002:  # a transfer refused at once is only its ×
+                drawn.add(kind)
+            if failed and span.end <= hi + pad:
                 ax.plot([span.end], [row], marker="x", color=COLORS["failed"], markersize=7, mew=2)
+                drawn.add("failed at")
     for r in chosen:
         start, end, _ = timeline.rounds[r]
         ax.axvline(start, color="black", linewidth=0.8)
         ax.text(start, 1.0, f" {rounds_word} {r}", transform=ax.get_xaxis_transform(), va="bottom", fontsize=8)
-        if timeline.deadline_s and timeline.selected.get(r):
+        if timeline.deadline_s and timeline.selected.get(r) and start + timeline.deadline_s <= hi + pad:
             ax.axvline(start + timeline.deadline_s, color="#d62728", linewidth=1, linestyle="--")
+            drawn.add("deadline")  # not when every round ended before it (outside the window)
     ax.axvline(hi, color="black", linewidth=0.8)
     labels = []
     for k in shown:
@@ -177,15 +194,17 @@ def plot_gantt(run_dir: str | Path, out: str | Path, rounds: str | None = None, 
     ax.set_ylim(len(shown) - 0.5, -0.5)
     ax.set_xlim(lo - pad, hi + pad)
     ax.set_xlabel("emulated time since the run started (s)")
-    handles = [Patch(color=COLORS["download"], label="download"), Patch(color=COLORS["compute"], label="compute"),
-               *([Patch(color=COLORS["late"], label="compute (reply after its round)")] if rounds_word == "round" else []),
-               Patch(color=COLORS["upload"], label="upload"),
-               Patch(facecolor=COLORS["offline"], alpha=0.35, hatch="//", edgecolor="#666666", label="offline"),
-               Patch(color=COLORS["failed"], label="lost transfer (×)")]
-    if timeline.deadline_s and rounds_word == "round":
-        # lazy: matplotlib and scipy take ~0.5 s to import; only drawing and testing need them
-        from matplotlib.lines import Line2D
-
+    legend = {"download": Patch(color=COLORS["download"], label="download"),
+              "compute": Patch(color=COLORS["compute"], label="compute"),
+              "late": Patch(color=COLORS["late"], label="compute (reply after its round)"),
+              "upload": Patch(color=COLORS["upload"], label="upload"),
+              "offline": Patch(facecolor=COLORS["offline"], alpha=0.35, hatch="//", edgecolor="#666666",
+                               label="offline"),
+              "failed": Patch(color=COLORS["failed"], label="failed transfer"),
+              "failed at": Line2D([], [], marker="x", color=COLORS["failed"], markersize=7, mew=2, linestyle="none",
+                                  label="where it failed (lost, or its device went offline)")}
+    handles = [handle for kind, handle in legend.items() if kind in drawn]
+    if "deadline" in drawn:
         handles.append(Line2D([], [], color="#d62728", linestyle="--", label="deadline"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, frameon=False, fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
