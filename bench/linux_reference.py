@@ -32,9 +32,11 @@ with full-size packets; a bulk transfer's goodput against the rate, per rate),
 ``single`` (one flow on a dozen of transport_fidelity.py's points, without loss and
 with paired losses, median over seeds), ``longlived`` (one connection uploading and
 downloading the 2NN update each round, 0.5-5 s idle between, at 0, 1 and 2% loss,
-against the model's long-lived connection, round by round).
+against the model's long-lived connection, round by round), ``shared`` (10 and 100
+flows on `lte` access links through one bottleneck with a deep, a BDP and a shallow
+queue: the mean completion, and the share of flows done by Linux's median).
 
-    sudo python bench/linux_reference.py [--parts calibrate single longlived] [--seeds 5]
+    sudo python bench/linux_reference.py [--parts calibrate single longlived shared] [--seeds 5]
         [--json bench/results/linux-reference.json]
 
 Needs root, /dev/net/tun and network namespaces (``ip netns``); without them it says
@@ -55,6 +57,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,12 +142,24 @@ def forwarder(cfg: dict) -> None:
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
         fds.append(fd)
     links = [Link(cfg, 0), Link(cfg, 1)]  # 0: a -> b (the sender's data), 1: b -> a
+    shared = cfg.get("shared")
+    access: dict[int, Link] = {}  # with a shared bottleneck: each flow's own access link, by source port
+    if shared:
+        # The data direction becomes the bottleneck: each flow's packets cross its own
+        # access link (the flow's rate and buffer, no delay), then the shared queue
+        # (the bottleneck's rate and buffer) and the one-way delay, as ns-3's dumbbell.
+        links[0] = Link(dict(cfg, rate=shared["rate"], buffer=shared["buffer"]), 0)
     out = {fds[0]: 0, fds[1]: 1}
     print("ready", flush=True)
     stdin = sys.stdin.fileno()
     clock = time.monotonic
     while True:
         now = clock()
+        if access:  # what left the access links by now enters the bottleneck, in time order
+            through = sorted((item for link in access.values() for item in _due(link.pending, now)),
+                             key=lambda item: item[0])
+            for due, pkt in through:
+                links[0].arrive(due, pkt)
         for d, link in enumerate(links):
             pending = link.pending
             while pending and pending[0][0] <= now:
@@ -154,7 +169,7 @@ def forwarder(cfg: dict) -> None:
                 except OSError:  # the device is not up yet, or its queue is full
                     link.stats["write_error"] += 1
                 link.late.append(now - due)
-        heads = [link.pending[0][0] for link in links if link.pending]
+        heads = [link.pending[0][0] for link in (*links, *access.values()) if link.pending]
         timeout = max(0.0, min(heads) - clock()) if heads else 0.5
         ready, _, _ = select.select([fds[0], fds[1], stdin], [], [], timeout)  # µs resolution
         for fd in ready:
@@ -169,7 +184,25 @@ def forwarder(cfg: dict) -> None:
                     pkt = os.read(fd, 65536)
                 except BlockingIOError:
                     break
-                link.arrive(clock(), pkt)
+                if shared and out[fd] == 0:
+                    port = _source_port(pkt)
+                    if port not in access:
+                        access[port] = Link(dict(rate=cfg["rate"], latency_ms=0.0, buffer=cfg["buffer"]), 0)
+                    access[port].arrive(clock(), pkt)
+                else:
+                    link.arrive(clock(), pkt)
+
+
+def _due(pending: collections.deque, now: float):
+    while pending and pending[0][0] <= now:
+        yield pending.popleft()
+
+
+def _source_port(pkt: bytes) -> int:
+    """A TCP packet's source port (0 for anything else: one access link for the rest)."""
+    if len(pkt) < 24 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+        return 0
+    return struct.unpack_from("!H", pkt, (pkt[0] & 15) * 4)[0]
 
 
 def report(links: list[Link]) -> None:
@@ -261,6 +294,74 @@ def endpoint(args) -> None:
         conn.shutdown(socket.SHUT_WR)
         conn.recv(1)
         conn.close()
+    print(json.dumps(result), flush=True)
+
+
+def many(args) -> None:
+    """``many-sink``/``many-source``: ``count`` connections, each sending ``bytes`` once,
+    flow k starting ``spacing`` * k after the first; times by the source's port."""
+    signal.alarm(args.deadline)
+    result = {}
+    if args.role == "many-sink":
+        lsock = tcp_socket(args.cc)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind((ADDR[1], PORT))
+        lsock.listen(args.count)
+        print("listening", flush=True)
+        done: dict[int, float] = {}
+
+        def take(conn: socket.socket, port: int) -> None:
+            buf = bytearray(1 << 16)
+            got = 0
+            while got < args.bytes:
+                n = conn.recv_into(buf, min(len(buf), args.bytes - got))
+                if not n:
+                    raise ConnectionError(f"flow {port} closed after {got} bytes")
+                got += n
+            done[port] = time.monotonic()
+            conn.close()
+
+        threads = []
+        for _ in range(args.count):
+            conn, (_, port) = lsock.accept()
+            threads.append(threading.Thread(target=take, args=(conn, port)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        result["done"] = done
+    else:
+        data = b"\x5a" * args.bytes
+        conns = []
+        for _ in range(args.count):
+            conn = tcp_socket(args.cc)
+            for _ in range(200):
+                try:
+                    conn.connect((ADDR[1], PORT))
+                    break
+                except OSError:
+                    time.sleep(0.02)
+                    conn.close()
+                    conn = tcp_socket(args.cc)
+            else:
+                raise ConnectionError("could not connect to the sink")
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns.append(conn)
+        time.sleep(0.3)  # every handshake through; data starts the flows' clocks
+        origin = time.monotonic()
+        start: dict[int, float] = {}
+
+        def send(k: int, conn: socket.socket) -> None:
+            time.sleep(max(0.0, origin + k * args.spacing - time.monotonic()))
+            start[conn.getsockname()[1]] = time.monotonic()
+            conn.sendall(data)
+            conn.shutdown(socket.SHUT_WR)
+
+        threads = [threading.Thread(target=send, args=(k, c)) for k, c in enumerate(conns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result["start"] = start
     print(json.dumps(result), flush=True)
 
 
@@ -409,6 +510,21 @@ class Lab:
             raise RuntimeError(f"asked for {cc}, the sockets ran {done['cc']} and {start['cc']}")
         return dict(seconds=done["done"] - start["start"],
                     goodput=(size - size // 2) / (done["done"] - done["half"]), links=links)
+
+    def transfers(self, cfg: dict, flows: int, size: int, spacing: float = 0.0) -> dict:
+        """``flows`` bulk transfers through the shared bottleneck; each flow's time from
+        its first data to its last byte received, in the order the flows started."""
+        self.start_forwarder(cfg)
+        deadline = int(120 + 3 * flows * size / cfg["shared"]["rate"] + flows * spacing)
+        common = ["--bytes", str(size), "--count", str(flows), "--spacing", str(spacing), "--deadline", str(deadline)]
+        sink = self.spawn(1, "--role", "many-sink", *common)
+        sink.stdout.readline()  # listening
+        source = self.spawn(0, "--role", "many-source", *common)
+        done = self.collect(sink, deadline)["done"]
+        start = self.collect(source, deadline)["start"]
+        links = self.stop_forwarder()
+        order = sorted(start, key=lambda port: start[port])
+        return dict(seconds=[done[port] - start[port] for port in order], links=links)
 
     def ping(self, cfg: dict, count: int, size: int) -> tuple[list[float], list[dict]]:
         self.start_forwarder(cfg)
@@ -580,6 +696,60 @@ def run_long_lived(lab: Lab, seeds: int, own_loss: bool, rounds: int = 5) -> lis
     return rows
 
 
+def shared_points() -> list[dict]:
+    """Flows through one bottleneck on `lte` access links: ten through 10 Mbit/s, a
+    hundred through 100 Mbit/s, each with a deep, a bandwidth-delay-product and a
+    shallow queue (BDP: the bottleneck's rate times the 70 ms round trip)."""
+    from transport_fidelity import UPDATE, point
+    lte = dict(rate_mbit=12, latency_ms=35)
+    points = []
+    for flows, rate in ((10, 10 * MBIT), (100, 100 * MBIT)):
+        bdp = rate * 0.070
+        for name, buffer in (("deep", 1_500_000), ("BDP", bdp), ("shallow", bdp / 10)):
+            if flows == 100 and name == "deep":
+                continue  # a deep queue at 100 flows is transport_fidelity's ns-3 point already
+            points.append(dict(point(**lte, size=UPDATE, flows=flows, shared=rate, shared_buffer=int(buffer)),
+                               queue=name))
+    points.append(dict(point(**lte, size=UPDATE, flows=10, shared=10 * MBIT, shared_buffer=1_500_000, spacing=0.5),
+                       queue="deep"))
+    return points
+
+
+def share_done(times: list[float], deadline: float) -> float:
+    return sum(t <= deadline for t in times) / len(times)
+
+
+def run_shared(lab: Lab, repeats: int) -> list[dict]:
+    """Each point ``repeats`` times on Linux (its flows spread run to run) against the
+    model once (deterministic): the mean completion (goal: within 15%), and at a deadline
+    equal to Linux's median completion the share of flows done (goal: within 15 points
+    of Linux's, which is about half by definition)."""
+    from transport_fidelity import label, model
+    rows = []
+    for p in shared_points():
+        cfg = dict(link_cfg(p), shared=dict(rate=p["shared"], buffer=p["shared_buffer"]))
+        runs = [lab.transfers(cfg, p["flows"], p["size"], p.get("spacing", 0.0)) for _ in range(repeats)]
+        linux = [t for r in runs for t in r["seconds"]]
+        fed = model(p)
+        median = statistics.median(linux)
+        share_linux = statistics.mean(share_done(r["seconds"], median) for r in runs)
+        share_model = share_done(fed, median)
+        mean_ratio = statistics.mean(fed) / statistics.mean(linux)
+        rows.append(dict(block="shared", point=f"{label(p)}, {p['queue']} queue", linux_mean_s=statistics.mean(linux),
+                         linux_range_s=[min(linux), max(linux)], model_mean_s=statistics.mean(fed),
+                         model_range_s=[min(fed), max(fed)], mean_ratio=mean_ratio, share_linux=share_linux,
+                         share_model=share_model, linux_s=[r["seconds"] for r in runs], model_s=fed,
+                         late_p99_ms=max(x["late_p99_ms"] for r in runs for x in r["links"]),
+                         overflow=[r["links"][0].get("overflow", 0) for r in runs],
+                         ok=abs(mean_ratio - 1) <= 0.15 and abs(share_model - share_linux) <= 0.15, load=load()))
+        row = rows[-1]
+        print(f"[shared] {row['point']}: linux mean {row['linux_mean_s']:.3f} s ({min(linux):.3f}-{max(linux):.3f}), "
+              f"model mean {row['model_mean_s']:.3f} s ({min(fed):.3f}-{max(fed):.3f}), x{mean_ratio:.3f}; done by "
+              f"linux's median {median:.3f} s: linux {share_linux:.0%}, model {share_model:.0%}; "
+              f"{'ok' if row['ok'] else 'OUTSIDE GOAL'}", file=sys.stderr)
+    return rows
+
+
 def row_text(row: dict) -> str:
     return (f"[{row['block']}] {row['point']}: linux {row['linux_s']:.4g} s, model {row['model_s']:.4g} s, "
             f"x{row['ratio']:.3f} {'ok' if row['ok'] else 'OUTSIDE GOAL'}")
@@ -603,7 +773,9 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=["forwarder", "sink", "source", "server", "client", "ping"])
+    parser.add_argument("--role", choices=["forwarder", "sink", "source", "server", "client", "ping", "many-sink",
+                                           "many-source"])
+    parser.add_argument("--spacing", type=float, default=0.0)
     parser.add_argument("--config")
     parser.add_argument("--bytes", type=int, default=0)
     parser.add_argument("--cc", default="cubic")
@@ -611,8 +783,8 @@ def main() -> int:
     parser.add_argument("--idle", default="[]")
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--deadline", type=int, default=600)
-    parser.add_argument("--parts", nargs="+", default=["calibrate", "single", "longlived"],
-                        choices=["calibrate", "single", "longlived"])
+    parser.add_argument("--parts", nargs="+", default=["calibrate", "single", "longlived", "shared"],
+                        choices=["calibrate", "single", "longlived", "shared"])
     parser.add_argument("--seeds", type=int, default=5, help="seeds a lossy point runs (paired losses)")
     parser.add_argument("--own-loss", action="store_true",
                         help="long-lived: each its own Bernoulli loss (default: the same losses in both)")
@@ -626,6 +798,9 @@ def main() -> int:
     if args.role == "ping":
         signal.alarm(args.deadline)
         print(json.dumps(dict(rtts=ping(args.count, args.bytes, 0.05))), flush=True)
+        return 0
+    if args.role in ("many-sink", "many-source"):
+        many(args)
         return 0
     if args.role:
         endpoint(args)
@@ -647,6 +822,8 @@ def main() -> int:
                 results["single"] = run_single(lab, args.seeds, args.repeats)
             if "longlived" in args.parts:
                 results["longlived"] = run_long_lived(lab, args.seeds, args.own_loss)
+            if "shared" in args.parts:
+                results["shared"] = run_shared(lab, args.repeats)
     except KeyboardInterrupt:
         print("interrupted; namespaces and processes removed", file=sys.stderr)
         return 130
@@ -656,6 +833,11 @@ def main() -> int:
         print(table(results["calibration"], ["rate_mbit", "latency_ms", "ping_idle_ms", "ping_idle_expect_ms",
                                              "ping_full_ms", "ping_full_expect_ms", "goodput_mbit",
                                              "goodput_expect_mbit", "bulk_late_p99_ms", "max_packet", "load"]))
+    if "shared" in results:
+        passed = sum(r["ok"] for r in results["shared"])
+        print(f"\n### shared: {passed} of {len(results['shared'])} within the goal\n")
+        print(table(results["shared"], ["point", "linux_mean_s", "linux_range_s", "model_mean_s", "model_range_s",
+                                        "mean_ratio", "share_linux", "share_model", "late_p99_ms", "ok", "load"]))
     for part in ("single", "longlived"):
         if part in results:
             passed = sum(r["ok"] for r in results[part])
