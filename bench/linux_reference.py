@@ -223,6 +223,21 @@ def tcp_socket(cc: str) -> socket.socket:
     return s
 
 
+def connect_to_sink(cc: str) -> socket.socket:
+    """A connection to the sink (or server), retried while it may still be starting."""
+    for _ in range(200):
+        conn = tcp_socket(cc)
+        try:
+            conn.connect((ADDR[1], PORT))
+        except OSError:  # refused: not listening yet
+            conn.close()
+            time.sleep(0.02)
+            continue
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+    raise ConnectionError("could not connect to the sink")
+
+
 def recv_exactly(conn: socket.socket, size: int, half: list | None = None) -> float:
     got = 0
     while got < size:
@@ -265,18 +280,7 @@ def endpoint(args) -> None:
                 conn.sendall(data)
         conn.close()
     else:
-        conn = tcp_socket(args.cc)
-        for _ in range(200):  # the sink may still be starting
-            try:
-                conn.connect((ADDR[1], PORT))
-                break
-            except (ConnectionRefusedError, OSError):
-                time.sleep(0.02)
-                conn.close()
-                conn = tcp_socket(args.cc)
-        else:
-            raise ConnectionError("could not connect to the sink")
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = connect_to_sink(args.cc)
         result["cc"] = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
         time.sleep(0.2)  # the handshake's last ACK is through; data starts a flow's clock
         if args.role == "source":
@@ -331,21 +335,7 @@ def many(args) -> None:
         result["done"] = done
     else:
         data = b"\x5a" * args.bytes
-        conns = []
-        for _ in range(args.count):
-            conn = tcp_socket(args.cc)
-            for _ in range(200):
-                try:
-                    conn.connect((ADDR[1], PORT))
-                    break
-                except OSError:
-                    time.sleep(0.02)
-                    conn.close()
-                    conn = tcp_socket(args.cc)
-            else:
-                raise ConnectionError("could not connect to the sink")
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conns.append(conn)
+        conns = [connect_to_sink(args.cc) for _ in range(args.count)]
         time.sleep(0.3)  # every handshake through; data starts the flows' clocks
         origin = time.monotonic()
         start: dict[int, float] = {}
