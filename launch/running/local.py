@@ -177,16 +177,26 @@ class LocalRun:
             self._print_new_events()
             self.check_exits(reported)
             self.check_hosts()
-            time.sleep(0.25)
+            self.await_server(0.25)
         self._print_new_events()
         self._faults_shown.flush()
         self.check_exits(reported)
         return self.summary()
 
+    def await_server(self, at_most_s: float) -> None:
+        """A follower's tick: ends at once when the server node exits (the run's end waits on it)."""
+        try:
+            self.procs["server"].wait(at_most_s)
+        except subprocess.TimeoutExpired:
+            pass
+
     def check_exits(self, reported: set[str]) -> None:
         """Say which process of the run died, and how; a dead broker is the run's end."""
+        server = self.procs.get("server")  # the record is the server's to read: once it has ended,
+        server_runs = server is not None and server.poll() is None  # none (which a race would decide)
         for name, proc in self.procs.items():
-            if name.startswith("worker-") and name not in self._exits_recorded and proc.poll() is not None:
+            if (server_runs and name.startswith("worker-") and name not in self._exits_recorded
+                    and proc.poll() is not None):
                 self._exits_recorded.add(name)
                 self.record_exit(name, proc.returncode)
             if name != "server" and name not in reported and proc.poll() not in (None, 0):
