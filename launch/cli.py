@@ -13,7 +13,7 @@ import click
 # Light on purpose (the config, numpy, zmq and torch are imported by the commands that use
 # them): a launcher stopped while it starts up must already have its signal handlers.
 from .running.host_options import machine_options
-from .running.lifecycle import Interrupted, exit_code_for, raise_on_stop_signals, signal_named, stop_signal_received
+from .running.lifecycle import Interrupted, exit_code_for, exit_without_teardown, raise_on_stop_signals, signal_named, stop_signal_received
 
 # Commands that are processes of a run, or serve one, and handle stop signals their own way.
 _OWN_SIGNAL_HANDLING = ("node", "broker", "host-agent", "sweep-task", "preflight")
@@ -340,3 +340,24 @@ main.add_command(_report)
 main.add_command(_compare)
 main.add_command(_export)
 main.add_command(_traces)
+
+
+def entry() -> None:
+    """`fedemu` (and `python -m fedemu.launch`) as a process: the commands, then an end
+    without the interpreter's teardown of every module (exit_without_teardown), which
+    with torch loaded is 0.3-0.5 s of each node's and each launcher's end."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:  # click ends every command this way; read it as the interpreter would
+        code = _exit_status(exc.code)
+    exit_without_teardown(code)
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1

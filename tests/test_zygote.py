@@ -115,3 +115,50 @@ def test_a_run_stopped_while_its_nodes_run_ends_interrupted_and_leaves_nothing(t
     while Path(f"/proc/{parent}").exists() or Path(f"/proc/{server}").exists():  # the zygote too
         assert time.monotonic() < deadline, "the zygote or a node outlived its launcher"
         time.sleep(0.1)
+
+
+_ENDING = r"""
+import atexit, logging, sys, threading, time
+from fedemu.launch.running.lifecycle import exit_without_teardown
+
+out = sys.argv[1]
+logging.basicConfig(filename=out + ".log", level=logging.INFO)
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+
+def late():
+    time.sleep(0.3)
+    open(out + ".thread", "w").write("joined")
+
+threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+logging.getLogger("t").info("the last log line")
+print("the last words, unflushed", end="")
+sys.stderr.write("and on stderr")
+
+class Finalised:
+    def __del__(self):
+        open(out + ".teardown", "w").write("torn down")
+
+kept = Finalised()  # freed only by the interpreter's teardown of this module
+exit_without_teardown(3)
+"""
+
+
+def test_a_process_ends_without_teardown_but_loses_nothing(tmp_path):
+    out = str(tmp_path / "p")
+    ended = subprocess.run([sys.executable, "-c", _ENDING, out], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 3, ended.stderr
+    assert ended.stdout == "the last words, unflushed"
+    assert ended.stderr == "and on stderr"
+    assert Path(out + ".thread").read_text() == "joined"
+    assert Path(out + ".atexit").read_text() == "ran"
+    assert "the last log line" in Path(out + ".log").read_text()
+    assert not Path(out + ".teardown").exists()  # what it saves: the modules' teardown
+
+
+@pytest.mark.parametrize("argv, code", [(["check", "--set", "run.rounds=zero"], 2), (["no-such-command"], 2),
+                                        (["--help"], 0)])
+def test_the_command_exits_as_click_says(argv, code):
+    ended = subprocess.run([sys.executable, "-m", "fedemu.launch", *argv], capture_output=True, text=True,
+                           timeout=120)
+    assert ended.returncode == code, ended.stderr
+    assert (ended.stdout if code == 0 else ended.stderr).strip()

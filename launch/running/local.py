@@ -177,16 +177,24 @@ class LocalRun:
             self._print_new_events()
             self.check_exits(reported)
             self.check_hosts()
-            time.sleep(0.25)
+            self.await_server(0.25)
         self._print_new_events()
         self._faults_shown.flush()
         self.check_exits(reported)
         return self.summary()
 
+    def await_server(self, at_most_s: float) -> None:
+        """A follower's tick: ends at once when the server node exits (the run's end waits on it)."""
+        try:
+            self.procs["server"].wait(at_most_s)
+        except subprocess.TimeoutExpired:
+            pass
+
     def check_exits(self, reported: set[str]) -> None:
         """Say which process of the run died, and how; a dead broker is the run's end."""
         for name, proc in self.procs.items():
-            if name.startswith("worker-") and name not in self._exits_recorded and proc.poll() is not None:
+            if (name.startswith("worker-") and name not in self._exits_recorded and proc.poll() is not None
+                    and self._run_goes_on()):
                 self._exits_recorded.add(name)
                 self.record_exit(name, proc.returncode)
             if name != "server" and name not in reported and proc.poll() not in (None, 0):
@@ -194,6 +202,13 @@ class LocalRun:
                 self.echo(f"warning: {name} {describe_exit(proc.returncode)}: {self._tail(name)}")
                 if name == "broker" and self.procs["server"].poll() is None:
                     self.broker_died = exit_cause(proc.returncode, oom_kills=self.oom_kills.since())
+
+    def _run_goes_on(self) -> bool:
+        """Whether a worker's exit record can still matter: it is the server's to read, and
+        once the summary is written the server only tells the nodes to leave (a record of
+        their leaving would be there or not as a race decided)."""
+        server = self.procs.get("server")
+        return server is not None and server.poll() is None and not (self.run_dir / SUMMARY).exists()
 
     def record_exit(self, node: str, returncode: int) -> None:
         """Tell the server how a worker node's process ended (runlog.NODE_EXIT): its

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import tomllib
 from pathlib import Path
 
@@ -179,6 +178,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         runlog.event("machines", **json.loads(machines.read_text()))
     node = _node("server", broker, own.node, keys_file, token_file=token_file)
     result: dict = {}
+    finished = threading.Event()
 
     def serve(proc) -> None:
         try:
@@ -186,6 +186,8 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         except Exception as exc:  # even the summary could not be written (a dead disk)
             log.exception("the server could not finish its run")
             result.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            finished.set()
 
     pid = node.spawn(serve, name="server")
 
@@ -206,8 +208,7 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         signal.signal(sig, on_signal)
     node.on_close.append(lambda reason: stop("failed", f"lost the broker: {node.broker_lost}" if node.broker_lost
                                              else f"server node closed: {reason}"))
-    while not result:  # the engine writes its summary even when the node closed
-        time.sleep(0.1)
+    finished.wait()  # the engine writes its summary even when the node closed (a signal's handler runs meanwhile)
     runlog.close()
     if tensorboard is not None:
         tensorboard.close()

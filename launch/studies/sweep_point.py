@@ -58,7 +58,7 @@ def _run_point(config: dict, run_dir: Path, *, workers: int | None, stop: thread
                 if asked is not None and time.monotonic() - asked > 30:  # wall
                     break  # run.stop() below terminates what is left
                 run.check_hosts()
-                time.sleep(0.2)
+                run.await_server(0.2)
         finally:
             # Stopping: a server killed before it could tell its nodes leaves them waiting
             # for it; do not give them the normal 15 s before terminating them.
