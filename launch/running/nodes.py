@@ -208,7 +208,10 @@ def run_server_node(broker: str, run_dir: Path, workers: int, keys_file: Path | 
         signal.signal(sig, on_signal)
     node.on_close.append(lambda reason: stop("failed", f"lost the broker: {node.broker_lost}" if node.broker_lost
                                              else f"server node closed: {reason}"))
-    finished.wait()  # the engine writes its summary even when the node closed (a signal's handler runs meanwhile)
+    # The engine writes its summary even when the node closed. Timed waits: a stop signal
+    # may land on any thread, and its handler runs only when this one runs Python code.
+    while not finished.wait(0.1):
+        pass
     runlog.close()
     if tensorboard is not None:
         tensorboard.close()
