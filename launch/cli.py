@@ -13,7 +13,8 @@ import click
 # Light on purpose (the config, numpy, zmq and torch are imported by the commands that use
 # them): a launcher stopped while it starts up must already have its signal handlers.
 from .running.host_options import machine_options
-from .running.lifecycle import Interrupted, exit_code_for, exit_without_teardown, raise_on_stop_signals, signal_named, stop_signal_received
+from .running.lifecycle import (Interrupted, exit_code_for, exit_without_teardown, raise_on_stop_signals, signal_named,
+                                stop_signal_received)
 
 # Commands that are processes of a run, or serve one, and handle stop signals their own way.
 _OWN_SIGNAL_HANDLING = ("node", "broker", "host-agent", "sweep-task", "preflight")

@@ -108,9 +108,9 @@ def child_env() -> dict:
 
 
 def exit_without_teardown(code: int) -> NoReturn:
-    """End a node process as a normal exit would, less the interpreter's teardown of
-    every module, which with torch loaded takes 0.3-0.5 s of each run's end (strace:
-    from the node's last write to its exit): non-daemon threads joined and the hooks
+    """End this process as a normal exit would, less the interpreter's teardown of
+    every module, which with torch loaded takes 0.3-0.5 s of each process's end (strace:
+    from a node's last write to its exit): non-daemon threads joined and the hooks
     registered for that run first (threading._shutdown, what the interpreter's own exit
     calls first: private, CPython 3.8-3.13), then the atexit handlers (logging's flush
     among them), then the standard streams flushed; then the process exits with ``code``."""
