@@ -61,7 +61,7 @@ class LocalRun:
         except OSError as exc:
             raise LaunchError(str(write_error(self.run_dir / "logs" / f"{name}.out", exc))) from None
         try:
-            proc = self._fork_node(name, args, out) if args[0] == "node" else None
+            proc = self._fork_node(name, args, out) if self._forks(args[0]) else None
             if proc is None:
                 # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
                 # the run in order (server first, which tells the nodes and the broker to leave).
@@ -74,6 +74,16 @@ class LocalRun:
             out.close()
         self.procs[name] = proc
         return proc
+
+    def _forks(self, command: str) -> bool:
+        """Whether ``fedemu.launch COMMAND`` starts forked from the zygote: a node always (it
+        needs torch: waiting for the zygote's imports costs it nothing); the broker only once
+        the zygote is ready (a sweep's later points), as its own interpreter starts sooner
+        than a zygote still importing torch."""
+        if command == "node":
+            return True
+        zygote = self.zygote if self.zygote is not None else shared_zygote()
+        return command == "broker" and zygote is not None and zygote.ready.is_set()
 
     def _fork_node(self, name: str, args: tuple[str, ...], out) -> ForkedNode | None:
         """The node forked from this launcher's zygote (zygote.py), which has imported

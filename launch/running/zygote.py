@@ -126,6 +126,7 @@ class Zygote:
                                      start_new_session=True, env=child_env())
         theirs.close()
         self.failure: str | None = None  # why it cannot start nodes, once it cannot
+        self.ready = threading.Event()  # its imports are done: a fork now starts a process at once
         self._lock = threading.Lock()
         self._next = 0
         self._pending: dict[int, ForkedNode] = {}
@@ -178,6 +179,8 @@ class Zygote:
                     else:
                         node.error = message["error"]
                     node._started.set()
+                elif "ready" in message:
+                    self.ready.set()
                 elif "error" in message:  # its imports failed: it starts nothing
                     self.failure = f"the zygote could not import the node code: {message['error']}"
         self.proc.wait()

@@ -159,6 +159,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
     parallel = layout.parallel
     echo(f"running {len(todo)} point(s), {layout.describe()}, into {sweep_dir}")
     running: dict[str, tuple[threading.Thread, dict, Point]] = {}
+    changed = threading.Event()  # a point's processes started, or it ended: look at once
     free_hosts = list(layout.host_groups or [])  # with machines: groups no running point holds
     queue = list(todo)
     last_line = 0.0
@@ -167,7 +168,7 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
             while queue and len(running) < parallel and not stop.is_set():
                 p = queue.pop(0)
                 hosts = free_hosts.pop(0) if layout.host_groups else None
-                _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop, running)
+                _start(p, rows[p.id], index, sweep_dir, layout, hosts, stop, running, changed)
                 echo(f"start  {p.id}  {progress.line(len(running), parallel)}")
                 progress_view.start(p.id, sweep_dir / "runs" / p.id, p.config["run"]["rounds"])
             progress_view.poll()
@@ -177,9 +178,10 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                     # with SIGKILL can tell on resume whether its points still run.
                     index.update(pid, pids=json.dumps(box["pids"]))
                     box["recorded"] = True
-                if thread.is_alive():
+                if not box.get("done") and thread.is_alive():
                     continue
                 del running[pid]
+                changed.set()  # its slot is free: the next point starts without waiting for a tick
                 progress_view.finish(pid)
                 if box["hosts"] is not None:
                     free_hosts.append(box["hosts"])
@@ -192,7 +194,8 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
                 if not progress_view.bars:
                     for line in progress_view.lines():
                         echo(line)
-            time.sleep(0.2)
+            changed.wait(0.2)  # wall: the progress bars' tick, cut short by a point's news
+            changed.clear()
     except KeyboardInterrupt as exc:
         if isinstance(stop, StopRequest):  # the points are stopped by the same signal, and say so
             stop.request(getattr(exc, "signum", signal.SIGINT))
@@ -211,9 +214,10 @@ def _run(spec: Spec, points: list[Point], index: Index, sweep_dir: Path, layout:
 
 
 def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, hosts: Machines | None,
-           stop: threading.Event, running: dict) -> None:
+           stop: threading.Event, running: dict, changed: threading.Event) -> None:
     """Start point ``p`` in a thread, entered in ``running`` before the index calls it
-    running: a stop at any instant of this finds it there and ends it in the index."""
+    running: a stop at any instant of this finds it there and ends it in the index.
+    The thread sets ``changed`` when the point's processes exist and when it ends."""
     config = layout.point_config(p.config)
     run_dir, attempts = new_attempt(sweep_dir, p.id, row)
     box: dict = {"hosts": hosts}
@@ -222,6 +226,7 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
     def on_start(pids: list[int]) -> None:
         with lock:
             box["pids"] = pids
+        changed.set()
 
     def target() -> None:
         started = time.monotonic()  # wall
@@ -231,6 +236,8 @@ def _start(p: Point, row: dict, index: Index, sweep_dir: Path, layout: Layout, h
         except Exception as exc:  # a point's failure must not take the sweep down
             box["summary"] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
         box["wall"] = time.monotonic() - started  # wall
+        box["done"] = True
+        changed.set()
 
     thread = threading.Thread(target=target, name=f"point {p.id}", daemon=True)
     running[p.id] = (thread, box, p)
