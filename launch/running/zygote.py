@@ -20,6 +20,7 @@ and the way to compare). Remote hosts (SSH, Slurm) start nodes as they always di
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -262,6 +263,11 @@ def main() -> None:
     except Exception as exc:  # any import failure: each node then starts on its own, and says it
         _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
         return
+    # The imports' objects live as long as every process forked from here: out of the
+    # cyclic collector's sight (the import's garbage collected first), so no child's
+    # collection walks torch's hundreds of thousands of them, nor unshares their pages.
+    gc.collect()
+    gc.freeze()
     _send(sock, {"ready": os.getpid()})
     request = _serve(sock, imported)
     if request is None:
