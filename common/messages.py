@@ -214,6 +214,12 @@ class RetryDue:
 
 
 @message
+class TrainerDue:
+    """A worker node's cohort trainer's timer to itself: its earliest held job is due
+    (worker/cohorts.py)."""
+
+
+@message
 class AsyncStop:
     reason: str
 

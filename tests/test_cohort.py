@@ -431,10 +431,25 @@ def worker_logs(run_dir: Path) -> str:
     return "".join(path.read_text() for path in sorted((run_dir / "logs").glob("worker-*.log")))
 
 
+LOSSY = ["--set", 'network.default_profile="lossy"', "--set", "network.profiles.lossy.latency_ms=35",
+         "--set", "network.profiles.lossy.loss=0.02", "--set", 'network.profiles.lossy.down.bandwidth="12Mbit"',
+         "--set", 'network.profiles.lossy.up.bandwidth="5Mbit"', "--set", 'run.aggregation="nodes"',
+         "--set", "data.partition=lognormal"]
+HELD_LOST = {"held-cancelled": "closed without it; its held reply is not sent",
+             "held-offline": "went offline before its round"}
+
 RUNS = {
     # Unequal shards (quantity skew), a deadline, and clients dropping out during rounds.
     "fedavg": ["--set", "data.partition=lognormal", "--set", "algorithm.deadline_s=4",
                "--set", "network.dropout.per_round=0.2"],
+    # Lossy links: downloads arrive at different instants, so a node's trainer holds the
+    # jobs until the earliest is due and trains those in hand together (cohorts.py).
+    # Meanwhile over-selected clients are cancelled (the first m replies closed the round)
+    # or their devices go offline, and the updates are summed on the nodes.
+    "held-cancelled": [*LOSSY, "--set", "algorithm.over_select=4",
+                       "--set", "network.dropout.on_off={mean_up_s=60.0, mean_down_s=10.0}"],
+    "held-offline": [*LOSSY, "--set", "algorithm.deadline_s=6",
+                     "--set", "network.dropout.on_off={mean_up_s=8.0, mean_down_s=1.0}"],
     "fedprox": ["--set", "algorithm.name=fedprox", "--set", "algorithm.mu=0.1", "--set", "data.partition=lognormal"],
     "fsvrg": ["--set", "algorithm.name=fsvrg", "--set", "algorithm.C=1.0", "--set", "data.partition=lognormal",
               "--set", "run.rounds=2"],
@@ -473,6 +488,9 @@ def test_cohorts_change_nothing_but_speed(tmp_path, algorithm):
     if algorithm == "fedavg":
         rounds = [e for e in read_events(tmp_path / "on") if e["event"] == "round"]
         assert any(set(e["offline"]) & set(e["selected"]) for e in rounds)  # drop-outs took selected clients
+    if algorithm in HELD_LOST:  # jobs were held across instants, and a held one's reply was lost as the case says
+        assert "arrived at different instants train together" in worker_logs(tmp_path / "on")
+        assert HELD_LOST[algorithm] in worker_logs(tmp_path / "on")
 
 
 BATCH_NORM_MODEL = """

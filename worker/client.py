@@ -110,7 +110,7 @@ class Client(Behaviour):
         elif isinstance(body, TrainAlone):
             job = body.job
             if job.request is not None:
-                self._train_request(proc, job.sender, job.request, started=job.started)
+                self._train_request(proc, job.sender, job.request, started=job.started, deferred=job)
             elif not job.cancelled():
                 self._update_alone(proc, self._offline_since(proc), job.started)
         elif isinstance(body, Failed):
@@ -206,10 +206,15 @@ class Client(Behaviour):
     # --- synchronous rounds ---------------------------------------------------------------
 
     def _train_request(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest,
-                       started: float | None = None) -> None:
+                       started: float | None = None, deferred: Job | None = None) -> None:
         """``started``: given for a request its node's trainer handed back to train alone
-        (when it arrived, emulated); else now."""
+        (when it arrived, emulated); else now. ``deferred``: that job, if the trainer
+        held it (it trains as at its arrival, and its reply goes as client._send_reply says)."""
         alone = started is not None
+        if deferred is not None and deferred.due is not None:
+            reply, hold = self._run_task(request)
+            self._send_reply(proc, sender, request, reply, hold, started, deferred)
+            return
         went_offline = self._offline_since(proc)
         if started is None:
             started = proc.now()  # emulated: the local work's span goes into the run's timeline
@@ -245,15 +250,30 @@ class Client(Behaviour):
                  "the round closed without it" if cancelled else "it went offline")
 
     def _send_reply(self, proc: BehaviourProcess, sender: Pid, request: TrainRequest, reply: TrainReply,
-                    hold: float, started: float) -> None:
+                    hold: float, started: float, job: Job | None = None) -> None:
         """``started``: the emulated instant the request arrived (the local work's span
-        goes into the run's timeline)."""
+        goes into the run's timeline). ``job``: a job its node's trainer deferred
+        (worker/cohorts.py), finished now as at its arrival: its reply goes at the
+        instant it was due from then, or not at all if it was cancelled or its device
+        went offline since (as the reply held from then would have been)."""
         if (request.keep_at_node and reply.update is not None and self.kept is not None
                 and update_problem(reply.update, request.weights.size) is None):
             self.kept.keep(reply)  # (an unfit update goes to the server whole: it refuses it, naming why)
-        reply.started_s, reply.ended_s = started, proc.now() + hold
-        # The device's compute time (modelled, or what real time has not covered yet).
-        held = proc.send_after(hold, sender, reply, unless_offline=True)
+        if job is None:
+            reply.started_s, reply.ended_s = started, proc.now() + hold
+            # The device's compute time (modelled, or what real time has not covered yet).
+            held = proc.send_after(hold, sender, reply, unless_offline=True)
+        else:
+            reply.started_s, reply.ended_s = started, job.due
+            held = None
+            if job.cancelled():
+                log.info("client %d: round %d closed without it; its held reply is not sent", self.client_id,
+                         request.round)
+            elif job.went_offline():
+                log.info("client %d: its device went offline before its round %d reply was due; the reply is lost",
+                         self.client_id, request.round)
+            else:
+                held = proc.send_at(job.due, sender, reply, unless_offline=True)
         self._held_replies = {request.round: held} if held is not None else {}  # only the latest can be due
 
     def cohort_done(self, job: Job, task: type[tasks.LocalTask], output: tasks.TaskOutput | None,
@@ -261,11 +281,17 @@ class Client(Behaviour):
         """The node's trainer has run this client's job in a cohort: ``output`` is what its
         task gave it (None: its stop condition turned true), ``measured_s`` and ``cpu_s``
         its share of the computation. Finished as _train_request finishes its own."""
-        if output is None or job.unwanted():
+        if output is None or (job.due is None and job.unwanted()):
             self._stopped_training(job.request, job.cancelled())
             return
         reply, hold = self._reply(task, job.request, tasks.checked(task, output), measured_s, cpu_s)
-        self._send_reply(job.proc, job.sender, job.request, reply, hold, job.started)
+        self._send_reply(job.proc, job.sender, job.request, reply, hold, job.started,
+                         job if job.due is not None else None)
+
+    def reply_due(self, task: type[tasks.LocalTask], job: Job) -> float:
+        """When ``job``'s reply is due: its arrival plus its device's time, known before it
+        trains where that time is modelled (``compute.known_in_advance``)."""
+        return job.started + self._times_of(task, job.request, 0.0, 0.0)[1]
 
     def task_input(self, task: type[tasks.LocalTask], request: TrainRequest, model: torch.nn.Module
                    ) -> tasks.TaskInput:
@@ -291,17 +317,23 @@ class Client(Behaviour):
                measured_s: float, cpu_s: float) -> tuple[TrainReply, float]:
         """The reply to ``request`` carrying ``result``, and how long to hold it back."""
         self.iterations += result.steps
-        slowdown = self.stragglers.slowdown(self.client_id, request.round)
-        if self._cache.device.type != "cpu":
-            cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
-        compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
-                                             measured_s, cpu_s, self.client_id)
+        compute_s, hold, slowdown = self._times_of(task, request, measured_s, cpu_s)
         reply = TrainReply(
             round=request.round, client=self.client_id, task=request.task, update=result.update,
             num_samples=len(self.indices), train_loss=float(result.loss), compute_s=compute_s, slowdown=slowdown,
             encoded=result.encoded, extra=result.extra or None,
         )
         return reply, hold
+
+    def _times_of(self, task: type[tasks.LocalTask], request: TrainRequest, measured_s: float, cpu_s: float
+                  ) -> tuple[float, float, float]:
+        """(compute seconds, emulated seconds to hold the reply back, straggler factor)."""
+        slowdown = self.stragglers.slowdown(self.client_id, request.round)
+        if self._cache.device.type != "cpu":
+            cpu_s = measured_s  # the GPU's time: the update is on the host already, so its kernels are done
+        compute_s, hold = self.compute.times(self.model, task.example_passes(request, len(self.indices)), slowdown,
+                                             measured_s, cpu_s, self.client_id)
+        return compute_s, hold, slowdown
 
     def _data(self) -> tuple[np.ndarray, np.ndarray]:
         indices = np.asarray(self.indices)  # a sampled share is drawn here, when the client trains

@@ -65,7 +65,7 @@ def host_clients(
     sums = node.spawn_behaviour(NodeSums(kept))
     trainer = None
     if cohorts:
-        trainer = CohortTrainer(cache)
+        trainer = CohortTrainer(cache, defer=compute.known_in_advance)
         trainer.pid = node.spawn_behaviour(trainer)
 
     def start_client(k: int) -> Pid:

@@ -106,10 +106,16 @@ class ComputeModel:
     # example, "example_s:MODEL": s for that model} (node.net.population.Population.compute).
     speeds: dict[int, dict[str, float]] = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def known_in_advance(self) -> bool:
+        """Whether local work's emulated time is known before it runs (modelled, on the
+        virtual clock), so that it may run later than it is emulated to start."""
+        return self.clock == "virtual" and self.charge == "model"
+
     def prepare(self, model: ModelSpec) -> None:
         """Pay the FLOP count's one-time cost (about a second on first use) before the
         run, not inside its first round."""
-        if self.clock == "virtual" and self.charge == "model":
+        if self.known_in_advance:
             training_flops_per_example(model)
 
     def times(self, model: ModelSpec, example_passes: float, slowdown: float, measured_s: float,

@@ -147,8 +147,17 @@ class VirtualClock:
 
     def add(self, delay: float, args: tuple, owner: Any = None) -> TimerRef:
         with self._lock:
-            ref = TimerRef(self._now + max(delay, 0.0), next(self._seq), args, owner, self._lock)
-            heapq.heappush(self._heap, ref)
+            return self._push(self._now + max(delay, 0.0), args, owner)
+
+    def add_at(self, when: float, args: tuple, owner: Any = None) -> TimerRef:
+        """A timer due at the instant ``when`` itself (not now + a delay, which need not
+        round to the same float): what an earlier ``add`` would have set."""
+        with self._lock:
+            return self._push(max(when, self._now), args, owner)
+
+    def _push(self, due: float, args: tuple, owner: Any) -> TimerRef:
+        ref = TimerRef(due, next(self._seq), args, owner, self._lock)
+        heapq.heappush(self._heap, ref)
         return ref
 
     def advance(self, now: float) -> None:

@@ -169,6 +169,17 @@ class Process:
             return None
         return self.node._add_timer(delay, (USER, self.pid, dst, body), self if unless_offline else None)
 
+    def send_at(self, when: float, dst: Pid | str, body: Any, *, unless_offline: bool = False
+                ) -> TimerRef | None:
+        """``send_after`` to the emulated instant ``when`` (virtual time only): the send a
+        ``send_after(when - t, ...)`` made at an earlier instant t would make, exactly."""
+        if not self.node.clock.virtual:
+            raise RuntimeError("send_at: only on the virtual clock")
+        if when <= self.now():
+            self.send(dst, body)
+            return None
+        return self.node.clock.add_at(when, (USER, self.pid, dst, body), self if unless_offline else None)
+
     def now(self) -> float:
         """Emulated seconds on the run's clock (wall x time_scale, or the broker's
         virtual time); only differences between two readings mean anything."""
