@@ -266,7 +266,7 @@ def broker(bind: str, endpoint_file: Path | None, heartbeat_interval: float, hea
     die_with_parent()  # a launcher killed outright takes its broker with it
     retain_freed_memory()
     setup_logging(log_dir or (endpoint_file.parent if endpoint_file else None), "broker")
-    if forked_from():  # its zygote was ready (LocalRun._zygote_for)
+    if forked_from():  # a sweep's later points: the zygote was ready (LocalRun._forks)
         logging.getLogger("fedemu.launch").info("broker forked from the zygote (pid %s)", forked_from())
     try:
         run_broker(bind, endpoint_file, heartbeat_interval, heartbeat_timeout, max_message_bytes, network_file,

@@ -315,12 +315,17 @@ def test_a_run_under_an_address_space_limit_ends_naming_the_cause(tmp_path):
     proc, run_dir = tiny_launch(tmp_path, "data.partition='sample'", "data.clients=2000", "algorithm.C=1.0",
                                 "run.rounds=5", preexec_fn=limited)
     output, _ = proc.communicate(timeout=300)  # a hang is what this guards against; the run ends in seconds
-    assert proc.returncode == 1, output
+    # Which process meets the limit first is a race: the run fails (every client lost, or
+    # the broker dead of a MemoryError), or goes on with the clients that could train (a
+    # node's trainer holds the round's jobs until due, their one cohort fails to allocate,
+    # and each then trains alone: worker/cohorts.py). Either way it ends and names why.
+    assert proc.returncode in (0, 1), output
     assert_left_clean(run_dir)
     events = assert_log_whole(run_dir)
     assert events[-1]["event"] == "end", events[-3:]
     summary = summary_of(run_dir)
-    assert summary["status"] == "failed", summary
+    assert summary["status"] in ("failed", "completed"), summary
+    assert summary["status"] == "failed" or any(e["event"] == "fault" for e in events), summary
     named = summary["reason"] + " ".join(e["reason"] for e in events if e["event"] == "fault")
     assert any(word in named for word in MEMORY_WORDS), summary["reason"]
     assert not summary["reason"].startswith("deadlock: 0 live clients"), summary["reason"]

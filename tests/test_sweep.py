@@ -432,8 +432,8 @@ def test_in_virtual_time_a_sweep_gives_the_same_table_one_point_at_a_time_or_two
                    "emulated_s", "weights_sha256")
         tables.append({pid: {k: row[k] for k in figures} for pid, row in rows(out).items()})
         if parallel == 1:
-            # The second point's broker forks from the broker's zygote, ready by then
-            # (LocalRun._zygote_for); the figures are still those of --parallel 2.
+            # The second point's broker forks from the zygote its first point's nodes
+            # readied (LocalRun._forks); the figures are still those of --parallel 2.
             assert "broker forked from the zygote" in (out / "runs" / "E=2" / "logs" / "broker.log").read_text()
     assert tables[0] == tables[1]
     assert {row["status"] for row in tables[0].values()} == {"completed"}

@@ -45,7 +45,6 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     # Before the config: its validation imports the algorithms, and with them torch
     # (~1.2 s); the zygote's own imports for the nodes then run beside it.
     shared_zygote()
-    shared_zygote("broker")
     config = configuration.load(config_path, overrides, values)
     progress = None
     if live:

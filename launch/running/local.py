@@ -61,8 +61,7 @@ class LocalRun:
         except OSError as exc:
             raise LaunchError(str(write_error(self.run_dir / "logs" / f"{name}.out", exc))) from None
         try:
-            zygote = self._zygote_for(args[0])
-            proc = self._fork(zygote, name, args, out) if zygote is not None else None
+            proc = self._fork_node(name, args, out) if self._forks(args[0]) else None
             if proc is None:
                 # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops
                 # the run in order (server first, which tells the nodes and the broker to leave).
@@ -76,20 +75,24 @@ class LocalRun:
         self.procs[name] = proc
         return proc
 
-    def _zygote_for(self, command: str) -> Zygote | None:
-        """The zygote ``fedemu.launch COMMAND`` forks from (zygote.py), if any: a node's
-        always (it needs torch: waiting for that zygote's imports costs it nothing); the
-        broker's own, torch-free, once it is ready (else a fresh interpreter starts sooner)."""
+    def _forks(self, command: str) -> bool:
+        """Whether ``fedemu.launch COMMAND`` starts forked from the zygote: a node always (it
+        needs torch: waiting for the zygote's imports costs it nothing); the broker only once
+        the zygote is ready (a sweep's later points), as its own interpreter starts sooner
+        than a zygote still importing torch."""
         if command == "node":
-            return self.zygote if self.zygote is not None else shared_zygote()
-        zygote = shared_zygote("broker") if command == "broker" else None
-        return zygote if zygote is not None and zygote.ready.is_set() else None
+            return True
+        zygote = self.zygote if self.zygote is not None else shared_zygote()
+        return command == "broker" and zygote is not None and zygote.ready.is_set()
 
-    def _fork(self, zygote: Zygote, name: str, args: tuple[str, ...], out) -> ForkedNode | None:
-        """The process forked from ``zygote``, which has imported what it needs once; None
-        if the zygote cannot (it died, or its imports failed: the process then starts as
-        its own, which says why)."""
+    def _fork_node(self, name: str, args: tuple[str, ...], out) -> ForkedNode | None:
+        """The node forked from this launcher's zygote (zygote.py), which has imported
+        torch and the node code once; None where there is none (FEDEMU_ZYGOTE=0, or its
+        imports failed: the node then starts as its own process, which says why)."""
+        zygote = self.zygote if self.zygote is not None else shared_zygote()
         try:
+            if zygote is None:
+                return None
             node = zygote.request(list(args), out.fileno())
             # Ours before it runs: a stop signal while the zygote still imports leaves
             # it to stop() (which signals it once forked), not running unseen.
@@ -100,13 +103,12 @@ class LocalRun:
             self.procs.pop(name, None)
             if not self._zygote_warned:
                 self._zygote_warned = True
-                self.echo(f"warning: {exc}; processes start as their own")
+                self.echo(f"warning: {exc}; nodes start as their own processes")
             return None
 
     def start(self) -> None:
         # First: its imports (~1.5 s) overlap the broker's start.
         self.zygote = shared_zygote()
-        shared_zygote("broker")  # the next broker's (a sweep's next point; this one's if ready)
         self._network_by_machine({})  # a local run has no hosts: refuse machine entries now
         self._check_device()
         self._make_token()

@@ -1,8 +1,6 @@
 """The zygote (issue 53): one process per launcher that imports torch, numpy and the
 node code once, then forks each of this machine's node processes on request, instead of
 each node starting a fresh interpreter that imports them again (~1.2 s of CPU each).
-The broker forks the same way from a second, light zygote that imports only what the
-broker needs (no torch: PRELOAD), once that one is ready.
 
 A forked child becomes the node exactly as ``python -m fedemu.launch node ...`` would:
 the launcher opens its output file as before and passes it over (stdout and stderr),
@@ -37,17 +35,11 @@ from pathlib import Path
 from .lifecycle import STOP_SIGNALS, ZYGOTE_ENV, child_env, die_with_parent
 
 SWITCH_ENV = "FEDEMU_ZYGOTE"
-# What each kind of zygote imports, loaded once there; by name, as a zygote runs none of
-# it. Nodes need torch; the broker does not, and forked from a zygote that had imported
-# it would carry torch's address space (a memory limit on the run's processes counts it)
-# and its objects, so brokers fork from a light zygote of their own.
-PRELOAD = {
-    "node": ("numpy", "torch", "zmq", "msgpack", "fedemu.launch.cli", "fedemu.launch.running.nodes",
-             "fedemu.server.round_engine", "fedemu.server.async_engine", "fedemu.common.algorithms",
-             "fedemu.common.ml.devices", "fedemu.common.ml.exact_sum", "fedemu.worker.hosting",
-             "fedemu.worker.placement"),
-    "broker": ("zmq", "msgpack", "fedemu.launch.cli", "fedemu.launch.running.nodes", "fedemu.node.broker"),
-}
+# What a node process imports, loaded once here; by name, as the zygote runs none of it.
+PRELOAD = ("numpy", "torch", "zmq", "msgpack", "fedemu.launch.cli", "fedemu.launch.running.nodes",
+           "fedemu.server.round_engine", "fedemu.server.async_engine", "fedemu.common.algorithms",
+           "fedemu.common.ml.devices", "fedemu.common.ml.exact_sum", "fedemu.worker.hosting",
+           "fedemu.worker.placement")
 # Bytes kept in the zygote's own argv for a child's command line (the kernel shows
 # /proc/PID/cmdline from that memory, which a process may rewrite but not grow).
 TITLE_ROOM = 8192
@@ -119,8 +111,7 @@ class ForkedNode:
 class Zygote:
     """The launcher's end: starts the zygote process and asks it for nodes."""
 
-    def __init__(self, kind: str = "node") -> None:
-        """``kind``: what it preloads (PRELOAD), and so which processes it starts."""
+    def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         # Its own session (as every process of a run: LocalRun._start); no stdout: what
@@ -129,7 +120,7 @@ class Zygote:
         # for only from the main thread (a sweep's points start runs from threads of their
         # own). Either way the zygote ends when this process does and its socket closes.
         with_parent = "1" if threading.current_thread() is threading.main_thread() else "0"
-        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_CODE, str(theirs.fileno()), with_parent, kind,
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE_CODE, str(theirs.fileno()), with_parent,
                                       " " * TITLE_ROOM],
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -228,23 +219,23 @@ def _await_gone(node: ForkedNode) -> None:
     node._ended(-signal.SIGTERM)
 
 
-_shared: dict[str, Zygote] = {}
+_shared: Zygote | None = None
 _shared_lock = threading.Lock()
 
 
-def shared(kind: str = "node") -> Zygote | None:
-    """This launcher's zygote of ``kind`` (PRELOAD), started on first use (and again if it
-    died); None where it is off (``enabled``) or failed at its imports (its processes then
-    start as their own, which fail, if they do, saying why)."""
+def shared() -> Zygote | None:
+    """This launcher's zygote, started on first use (and again if it died); None where it
+    is off (``enabled``) or failed at its imports (its nodes then start as their own
+    processes, which fail, if they do, saying why)."""
+    global _shared
     if not enabled():
         return None
     with _shared_lock:
-        zygote = _shared.get(kind)
-        if zygote is not None and zygote.failure is not None and zygote.failure.startswith("the zygote ended"):
-            zygote = None  # killed, say: start another
-        if zygote is None:
-            zygote = _shared[kind] = Zygote(kind)
-        return zygote if zygote.alive else None
+        if _shared is not None and _shared.failure is not None and _shared.failure.startswith("the zygote ended"):
+            _shared = None  # killed, say: start another
+        if _shared is None:
+            _shared = Zygote()
+        return _shared if _shared.alive else None
 
 
 def forked_from() -> str | None:
@@ -289,14 +280,14 @@ def main() -> None:
 
 
 def _preload(sock: socket.socket) -> bytes:
-    """Import PRELOAD[kind] (argv); returns what the imports printed, which a fresh node prints too."""
+    """Import PRELOAD; returns what the imports printed, which a fresh node prints too."""
     import importlib  # stdlib; the zygote imports the node code by name (PRELOAD)
 
     with tempfile.TemporaryFile() as captured:
         saved = os.dup(2)
         os.dup2(captured.fileno(), 2)
         try:
-            for name in PRELOAD[sys.argv[3]]:
+            for name in PRELOAD:
                 if _closed(sock):  # the launcher has gone already (a bad config, a stop): so do we
                     sys.exit(0)
                 importlib.import_module(name)
