@@ -62,6 +62,23 @@ def test_a_forked_process_is_what_the_command_would_be(tmp_path):
     assert zygote.proc.returncode == 0
 
 
+def test_a_stop_signal_the_moment_a_process_forks_is_not_lost(tmp_path):
+    """A launcher stopped while it started the server signals the node as soon as the
+    zygote names its pid, before the child has replaced the zygote's SIG_IGN: the signal
+    must wait for the child, not vanish (the server then never stopped: a failed run)."""
+    zygote = Zygote()
+    try:
+        zygote.ready.wait(120)
+        for i in range(5):
+            # A broker runs until stopped: were the signal lost, it would outlive the wait.
+            args = ["broker", "--bind", f"ipc://{tmp_path}/broker-{i}"]
+            node = _fork(zygote, args, tmp_path / f"broker-{i}.out")
+            node.terminate()
+            assert node.wait(30) == -signal.SIGTERM, (tmp_path / f"broker-{i}.out").read_text()
+    finally:
+        zygote.close()
+
+
 def _launch(run_dir: Path, zygote: str, *sets: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
             "--set", "run.target_accuracy=0", "--set", "data.clients=20", "--set", "algorithm.C=0.2"]

@@ -347,6 +347,10 @@ def _serve(sock: socket.socket, imported: bytes) -> dict | None:
             _send(sock, {"id": request["id"], "error": "the zygote has threads: it cannot fork safely"})
             os.close(fds[0])
             continue
+        # The launcher may signal the child the moment it learns its pid, before the child
+        # has its own handlers: blocked across the fork, such a signal waits (pending) instead
+        # of meeting the zygote's SIG_IGN and being lost (a server that never stopped).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -355,11 +359,13 @@ def _serve(sock: socket.socket, imported: bytes) -> dict | None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGHUP, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one sent meanwhile is delivered now
             os.close(wake_r)
             os.close(wake_w)
             sock.close()
             _become(request, fds[0], imported)
             return request
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # ignored here, as before
         # After the fork its handlers have run: the threads left are those that ran on
         # across it (OpenBLAS's pool stops itself first).
         threads = len(os.listdir("/proc/self/task"))
