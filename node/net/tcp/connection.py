@@ -98,6 +98,10 @@ class Connections:
                     plans.append(plan)
         if plans:
             self._release(plans, t)
+        for flow in flows:
+            # A timer the ACKs armed goes on the heap now: at a shared link the round's
+            # chunks (whose service would schedule it) may be served after it is due.
+            self._schedule(flow)
 
     def _on_rto(self, flow: Flow, t: float) -> None:
         """The retransmission timer expired: the connection fails once its
