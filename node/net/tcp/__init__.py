@@ -23,7 +23,8 @@ The package, one concept a file (read scheduler.py first, then connection.py):
   where a full buffer's drops fall in a round;
 * ``bottleneck.py``: a round's segments queued, served and delivered; a client's own
   link's buffer;
-* ``shared.py``: the server's shared links: max-min fair service, their buffer;
+* ``shared.py``: the server's shared links: service in proportion to what each flow
+  has queued there, their buffer;
 * ``speculation.py``: simulating ahead and rolling back, so answers never depend on
   when the model was asked;
 * ``state.py``: the records handed back (:class:`Arrival`, :class:`Failure`) and the

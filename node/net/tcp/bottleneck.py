@@ -22,6 +22,7 @@ import math
 from ..profiles import LinkProfile, jitter_sample
 from .losses import count_between
 from .presets import DELAYED_ACK_SEGMENTS, default_buffer
+from .shared import queued_weight
 from .state import Arrival, Flow, Plan, Round
 
 
@@ -148,7 +149,8 @@ class BottleneckQueues:
             self._refill(shared, t)
         else:
             flow.end_target += total
-            shared.groups[flow.group].sum_end += total
+            if flow.group[1] != queued_weight(flow, self._backlog(flow, t)):
+                self._regroup(shared, flow, flow.group[0], t)  # its share is what it has queued now
 
     def _chunk_done(self, flow: Flow, chunk: list, t: float) -> None:
         """A chunk's last byte left the bottleneck at t."""

@@ -181,14 +181,10 @@ class TcpTransport(Connections, BottleneckQueues, SharedLinks, Speculation):
             self._touch(flow)
             cap = self.profile(link, direction).bandwidth
             shared = self.shared[direction]
-            if shared is not None and cap != flow.group:
+            if shared is not None and cap != flow.group[0]:
                 self._touch(shared)
                 self._advance_shared(shared, t)
-                left_head = flow.head_target - shared.groups[flow.group].v
-                left_all = flow.end_target - shared.groups[flow.group].v
-                self._leave(shared, flow)
-                self._join(shared, flow, cap, left_head, left_all)
-                self._refill(shared, t)
+                self._regroup(shared, flow, cap, t)
 
     def _input(self, t: float) -> None:
         """Before an input at t: what happened before t happened; events at t wait (an

@@ -122,7 +122,7 @@ class Flow:
         self.clocked_bytes = 0.0  # of the last round, what goes out as ACKs come, not at once
         self.released_at = 0.0
         self.rate = math.inf  # private link: the rate serving the queue
-        self.group: float | None = None  # shared link: the cap (access rate) of its group
+        self.group: tuple[float, float] | None = None  # shared link: its group's (cap, weight)
         self.head_target = self.end_target = 0.0  # shared link: V at the head's end, queue's end
         self.gver = 0  # version of its entry in its group's heap
         self.back = 0.0  # from a segment's arrival to its ACK's arrival at the sender
