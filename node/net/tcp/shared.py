@@ -41,7 +41,7 @@ def queued_weight(flow: Flow, queued: float) -> float:
 
 class Group:
     """Active flows of a shared link with the same cap (their own link's rate) and the
-    same weight (their window): they progress together, so one virtual clock V (bytes
+    same weight (the segments they have queued): they progress together, so one virtual clock V (bytes
     served to each) serves them all."""
 
     __slots__ = ("key", "cap", "weight", "v", "rate", "n", "heap", "head_valid")
@@ -200,7 +200,7 @@ class SharedLinks:
         """Rates as a drop-tail FIFO gives them: each flow's share of the link is its
         share of what is queued there (its weight: segments queued when it last queued a
         round), unless its own link's rate (its cap) is less; the capped get their cap,
-        the rest share what is left by weight. Equal windows share equally (max-min);
+        the rest share what is left by weight. Equal queues share equally (max-min);
         unequal ones (one flow lost more than another) finish apart, as a real queue's
         flows do, and what a flow has queued drains as fast as anyone's."""
         active = sorted((g for g in shared.groups.values() if g.n), key=lambda g: g.cap / g.weight)
