@@ -34,9 +34,12 @@ with paired losses, median over seeds), ``longlived`` (one connection uploading 
 downloading the 2NN update each round, 0.5-5 s idle between, at 0, 1 and 2% loss,
 against the model's long-lived connection, round by round), ``shared`` (10 and 100
 flows on `lte` access links through one bottleneck with a deep, a BDP and a shallow
-queue: the mean completion, and the share of flows done by Linux's median).
+queue: the mean completion, and the share of flows done by Linux's median),
+``longloss`` (not in the default parts: transport_fidelity.py's 5%-loss points on 75 and
+300 ms round trips, CUBIC and Reno, paired losses for Linux, the model and ns-3, with
+Linux's timeouts and loss probes counted).
 
-    sudo python bench/linux_reference.py [--parts calibrate single longlived shared] [--seeds 5]
+    sudo python bench/linux_reference.py [--parts calibrate single longlived shared longloss] [--seeds 5]
         [--json bench/results/linux-reference.json]
 
 Needs root, /dev/net/tun and network namespaces (``ip netns``); without them it says
@@ -252,6 +255,24 @@ def recv_exactly(conn: socket.socket, size: int, half: list | None = None) -> fl
 
 BUF = memoryview(bytearray(1 << 20))
 
+# The sender namespace's counters of how its TCP recovered (its own namespace: only this
+# benchmark's connections count), read before and after a transfer.
+RECOVERY_COUNTERS = ("TCPTimeouts", "TCPLossProbes", "TCPSpuriousRTOs", "TCPSackRecovery", "TCPRenoRecovery",
+                     "TCPLostRetransmit")
+
+
+def recovery_counters() -> dict:
+    lines = Path("/proc/self/net/netstat").read_text().splitlines()
+    values = {}
+    for names, numbers in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            values = dict(zip(names.split()[1:], map(int, numbers.split()[1:])))
+    snmp = Path("/proc/self/net/snmp").read_text().splitlines()
+    for names, numbers in zip(snmp[::2], snmp[1::2]):
+        if names.startswith("Tcp:"):
+            values["RetransSegs"] = dict(zip(names.split()[1:], map(int, numbers.split()[1:])))["RetransSegs"]
+    return {k: values.get(k, 0) for k in (*RECOVERY_COUNTERS, "RetransSegs")}
+
 
 def endpoint(args) -> None:
     """``sink``/``source``: one bulk transfer; ``server``/``client``: the long-lived
@@ -280,6 +301,7 @@ def endpoint(args) -> None:
                 conn.sendall(data)
         conn.close()
     else:
+        before = recovery_counters()
         conn = connect_to_sink(args.cc)
         result["cc"] = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
         time.sleep(0.2)  # the handshake's last ACK is through; data starts a flow's clock
@@ -298,6 +320,8 @@ def endpoint(args) -> None:
         conn.shutdown(socket.SHUT_WR)
         conn.recv(1)
         conn.close()
+        after = recovery_counters()
+        result["recovery"] = {k: after[k] - before[k] for k in after}
     print(json.dumps(result), flush=True)
 
 
@@ -499,7 +523,8 @@ class Lab:
         if {done["cc"], start["cc"]} != {cc}:
             raise RuntimeError(f"asked for {cc}, the sockets ran {done['cc']} and {start['cc']}")
         return dict(seconds=done["done"] - start["start"],
-                    goodput=(size - size // 2) / (done["done"] - done["half"]), links=links)
+                    goodput=(size - size // 2) / (done["done"] - done["half"]), links=links,
+                    recovery=start["recovery"])
 
     def transfers(self, cfg: dict, flows: int, size: int, spacing: float = 0.0) -> dict:
         """``flows`` bulk transfers through the shared bottleneck; each flow's time from
@@ -640,6 +665,43 @@ def run_single(lab: Lab, seeds: int, repeats: int) -> list[dict]:
     return rows
 
 
+def run_long_loss(lab: Lab, seeds: int) -> list[dict]:
+    """transport_fidelity.py's ``longloss`` points (5% loss, 75 and 300 ms, CUBIC and
+    Reno) with the same losses for Linux, the model and, where its binary is built,
+    ns-3 3.37: the two references disagreed with each other there, and Linux decides.
+    Linux's retransmission timeouts and loss probes are counted in its namespace."""
+    from transport_fidelity import draw_losses, label, long_loss_points, model, ns3
+    rows = []
+    for p in long_loss_points():
+        linux, feds, refs, recovery = [], [], [], collections.Counter()
+        for seed in range(1, seeds + 1):
+            drop = draw_losses(p, dict(loss=0.05), seed)
+            run = lab.transfer(link_cfg(p, drop=drop), p["size"], p.get("cc", "cubic"))
+            (fed,) = model(p, drop=drop)
+            linux.append(run["seconds"])
+            feds.append(fed)
+            recovery.update(run["recovery"])
+            try:
+                (ref,) = ns3(p, drop=drop)
+            except Exception:  # noqa: BLE001 - ns-3 not installed: the column stays empty
+                ref = None
+            refs.append(ref)
+        ratios = [f / x for f, x in zip(feds, linux)]
+        median = statistics.median(ratios)
+        ns3_ratios = [r / x for r, x in zip(refs, linux) if r is not None]
+        rows.append(dict(block="longloss", point=f"{label(p)}, loss 5% (paired)", linux_s=statistics.median(linux),
+                         linux_range_s=[min(linux), max(linux)], model_s=statistics.median(feds), ratio=median,
+                         ratio_range=[min(ratios), max(ratios)],
+                         quartiles=[round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+                         ns3_s=statistics.median(r for r in refs if r is not None) if ns3_ratios else None,
+                         ns3_ratio=statistics.median(ns3_ratios) if ns3_ratios else None,
+                         linux_recovery=dict(recovery), linux_each_s=linux, model_each_s=feds, ns3_each_s=refs,
+                         ok=abs(median - 1) <= 0.25, load=load()))
+        print(row_text(rows[-1]) + (f"; ns-3 / linux x{rows[-1]['ns3_ratio']:.3f}" if ns3_ratios else "")
+              + f"; linux {dict(recovery)}", file=sys.stderr)
+    return rows
+
+
 def long_lived_losses(p: dict, rounds: int, loss: float, seed: int) -> tuple[list[int], list[int]]:
     """Which segments of the upload and the download streams lose their first
     transmission (segments numbered per message from its first byte, as the model's)."""
@@ -774,7 +836,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--deadline", type=int, default=600)
     parser.add_argument("--parts", nargs="+", default=["calibrate", "single", "longlived", "shared"],
-                        choices=["calibrate", "single", "longlived", "shared"])
+                        choices=["calibrate", "single", "longlived", "shared", "longloss"])
     parser.add_argument("--seeds", type=int, default=5, help="seeds a lossy point runs (paired losses)")
     parser.add_argument("--own-loss", action="store_true",
                         help="long-lived: each its own Bernoulli loss (default: the same losses in both)")
@@ -814,6 +876,8 @@ def main() -> int:
                 results["longlived"] = run_long_lived(lab, args.seeds, args.own_loss)
             if "shared" in args.parts:
                 results["shared"] = run_shared(lab, args.repeats)
+            if "longloss" in args.parts:
+                results["longloss"] = run_long_loss(lab, args.seeds)
     except KeyboardInterrupt:
         print("interrupted; namespaces and processes removed", file=sys.stderr)
         return 130
@@ -828,6 +892,11 @@ def main() -> int:
         print(f"\n### shared: {passed} of {len(results['shared'])} within the goal\n")
         print(table(results["shared"], ["point", "linux_mean_s", "linux_range_s", "model_mean_s", "model_range_s",
                                         "mean_ratio", "share_linux", "share_model", "late_p99_ms", "ok", "load"]))
+    if "longloss" in results:
+        passed = sum(r["ok"] for r in results["longloss"])
+        print(f"\n### longloss: {passed} of {len(results['longloss'])} within the goal\n")
+        print(table(results["longloss"], ["point", "linux_s", "linux_range_s", "model_s", "ratio", "quartiles",
+                                          "ns3_s", "ns3_ratio", "linux_recovery", "ok", "load"]))
     for part in ("single", "longlived"):
         if part in results:
             passed = sum(r["ok"] for r in results[part])
