@@ -670,7 +670,13 @@ def run_long_loss(lab: Lab, seeds: int) -> list[dict]:
     Reno) with the same losses for Linux, the model and, where its binary is built,
     ns-3 3.37: the two references disagreed with each other there, and Linux decides.
     Linux's retransmission timeouts and loss probes are counted in its namespace."""
-    from transport_fidelity import draw_losses, label, long_loss_points, model, ns3
+    from transport_fidelity import draw_losses, label, long_loss_points, model, ns3, reference_binary, save_ns3_cache
+    try:
+        reference_binary()
+        have_ns3 = True
+    except subprocess.CalledProcessError:  # its build failed: libns3-dev is not installed
+        print("ns-3's reference did not build (apt-get install libns3-dev): its column stays empty", file=sys.stderr)
+        have_ns3 = False
     rows = []
     for p in long_loss_points():
         linux, feds, refs, recovery = [], [], [], collections.Counter()
@@ -681,11 +687,7 @@ def run_long_loss(lab: Lab, seeds: int) -> list[dict]:
             linux.append(run["seconds"])
             feds.append(fed)
             recovery.update(run["recovery"])
-            try:
-                (ref,) = ns3(p, drop=drop)
-            except Exception:  # noqa: BLE001 - ns-3 not installed: the column stays empty
-                ref = None
-            refs.append(ref)
+            refs.append(ns3(p, drop=drop)[0] if have_ns3 else None)
         ratios = [f / x for f, x in zip(feds, linux)]
         median = statistics.median(ratios)
         ns3_ratios = [r / x for r, x in zip(refs, linux) if r is not None]
@@ -699,6 +701,8 @@ def run_long_loss(lab: Lab, seeds: int) -> list[dict]:
                          ok=abs(median - 1) <= 0.25, load=load()))
         print(row_text(rows[-1]) + (f"; ns-3 / linux x{rows[-1]['ns3_ratio']:.3f}" if ns3_ratios else "")
               + f"; linux {dict(recovery)}", file=sys.stderr)
+    if have_ns3:
+        save_ns3_cache()
     return rows
 
 
