@@ -10,9 +10,9 @@ buffer dropped more from queues less and falls behind, so equal flows spread out
 real queue's do, by the seeded drops (bench/linux_reference.py, docs/results.md).
 Flows with the same cap and weight progress together: a :class:`Group` keeps one
 virtual clock V (bytes served to each) and a heap of its flows' next chunk ends, so the
-next service event is found without touching every flow. The drop-tail buffer holds what the
-sending flows' windows put beyond the link's pipe; what this instant's rounds pile on
-top of it overflows and is shared among them.
+next service event is found without touching every flow. The drop-tail buffer holds
+what the sending flows' windows put beyond the link's pipe; what this instant's rounds
+pile on top of it overflows and is shared among them.
 
 :class:`SharedLinks` is the part of :class:`~.scheduler.TcpTransport` that does this; it
 uses the transport's ``flows``, ``shared``, ``seed`` and ``version`` (the counter that
@@ -41,8 +41,8 @@ def queued_weight(flow: Flow, queued: float) -> float:
 
 class Group:
     """Active flows of a shared link with the same cap (their own link's rate) and the
-    same weight (the segments they have queued): they progress together, so one virtual clock V (bytes
-    served to each) serves them all."""
+    same weight (the segments they have queued): they progress together, so one virtual
+    clock V (bytes served to each) serves them all. A group lives while it has flows."""
 
     __slots__ = ("key", "cap", "weight", "v", "rate", "n", "heap", "head_valid")
 
