@@ -261,16 +261,18 @@ RECOVERY_COUNTERS = ("TCPTimeouts", "TCPLossProbes", "TCPSpuriousRTOs", "TCPSack
                      "TCPLostRetransmit")
 
 
-def recovery_counters() -> dict:
-    lines = Path("/proc/self/net/netstat").read_text().splitlines()
-    values = {}
+def _proc_counters(path: str, prefix: str) -> dict:
+    """One table of /proc/net/netstat or /proc/net/snmp: a line of names, then its values."""
+    lines = Path(path).read_text().splitlines()
     for names, numbers in zip(lines[::2], lines[1::2]):
-        if names.startswith("TcpExt:"):
-            values = dict(zip(names.split()[1:], map(int, numbers.split()[1:])))
-    snmp = Path("/proc/self/net/snmp").read_text().splitlines()
-    for names, numbers in zip(snmp[::2], snmp[1::2]):
-        if names.startswith("Tcp:"):
-            values["RetransSegs"] = dict(zip(names.split()[1:], map(int, numbers.split()[1:])))["RetransSegs"]
+        if names.startswith(prefix):
+            return dict(zip(names.split()[1:], map(int, numbers.split()[1:])))
+    return {}
+
+
+def recovery_counters() -> dict:
+    values = _proc_counters("/proc/self/net/netstat", "TcpExt:")
+    values["RetransSegs"] = _proc_counters("/proc/self/net/snmp", "Tcp:").get("RetransSegs", 0)
     return {k: values.get(k, 0) for k in (*RECOVERY_COUNTERS, "RetransSegs")}
 
 
