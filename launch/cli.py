@@ -112,6 +112,19 @@ def check(config_file: str | None, overrides: tuple[str, ...]) -> None:
     click.echo("ok: the config is valid")
 
 
+@main.command("resolve-config", hidden=True)
+@click.argument("config_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+def resolve_config(config_file: str | None, overrides: tuple[str, ...]) -> None:
+    """Load and check a config for a launcher without torch (launcher.resolve_config)."""
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
+    from .running.launcher import write_resolved_config
+    from .running.lifecycle import die_with_parent
+
+    die_with_parent()  # its launcher's zygote, gone: no one waits for the config
+    sys.exit(write_resolved_config(config_file, list(overrides)))
+
+
 def _as_it_runs(config: dict) -> dict:
     """The resolved config as this run uses it: without the options of other algorithms
     (a config may carry them, for a sweep over algorithm.name) and with the network's

@@ -79,8 +79,15 @@ def test_a_stop_signal_the_moment_a_process_forks_is_not_lost(tmp_path):
         zygote.close()
 
 
+# `fedemu` as its entry point runs it, saying at its exit whether the launcher imported torch.
+_LAUNCHER = ("import atexit, sys\n"
+             "atexit.register(lambda: print('launcher imported torch:', 'torch' in sys.modules))\n"
+             "from fedemu.launch.cli import entry\n"
+             "entry()\n")
+
+
 def _launch(run_dir: Path, zygote: str, *sets: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--workers", "2",
+    argv = [sys.executable, "-c", _LAUNCHER, "launch", "--out", str(run_dir), "--workers", "2",
             "--set", "run.target_accuracy=0", "--set", "data.clients=20", "--set", "algorithm.C=0.2"]
     for item in sets:
         argv += ["--set", item]
@@ -100,6 +107,8 @@ def test_a_run_from_the_zygote_is_the_run_without_it(tmp_path):
         proc = _launch(run_dir, zygote, "run.rounds=2")
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, output
+        # With the zygote the config's checks ran in a process forked from it (launcher.resolve_config).
+        assert f"launcher imported torch: {zygote == '0'}" in output
         runs[zygote] = run_dir
         for name in ("server", "worker-0", "worker-1"):
             said = "forked from the zygote" in (run_dir / "logs" / f"{name}.log").read_text()
@@ -108,6 +117,22 @@ def test_a_run_from_the_zygote_is_the_run_without_it(tmp_path):
     assert summaries["1"]["weights_sha256"] == summaries["0"]["weights_sha256"]
     assert _wall_free(read_events(runs["1"])) == _wall_free(read_events(runs["0"]))
     assert sorted(p.name for p in (runs["1"] / "logs").iterdir()) == sorted(p.name for p in (runs["0"] / "logs").iterdir())
+
+
+def test_a_config_refused_in_the_zygote_is_refused_as_without_it(tmp_path):
+    """Every problem named, the same words and exit status, and no run directory."""
+    ended = {}
+    for zygote in ("1", "0"):
+        run_dir = tmp_path / f"zygote-{zygote}"
+        ended[zygote] = subprocess.run(
+            [sys.executable, "-m", "fedemu.launch", "launch", "--out", str(run_dir), "--set", "run.rounds=0",
+             "--set", "model.name=lstm", "--set", "algorithm.name=fedavgg"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, SWITCH_ENV: zygote})
+        assert not run_dir.exists()
+    assert (ended["1"].returncode, ended["1"].stderr) == (ended["0"].returncode, ended["0"].stderr)
+    assert ended["1"].returncode == 1
+    for named in ("3 problems", "run.rounds = 0", "'lstm'", "'fedavgg'"):
+        assert named in ended["1"].stderr
 
 
 @pytest.mark.mnist

@@ -32,6 +32,9 @@ class ConfigErrors(ConfigError):
             text = f"{len(self.errors)} problems in the config:\n" + "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(text)
 
+    def __reduce__(self):  # as built: from its errors (an exception pickles its message only)
+        return type(self), (self.errors,)
+
 
 class Problems:
     """A config's errors, collected as the checks find them (``with problems.collecting(key):``

@@ -4,8 +4,10 @@ that chooses between them; ``fedemu launch`` and each sweep point come through i
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +19,7 @@ from .lifecycle import STOP_SIGNALS, raise_on_stop_signals, restore_signals
 from .local import LocalRun
 from .progress import RunProgress
 from .rundir import LaunchError, make_run_dir, write_run_config
+from .zygote import ZygoteError
 from .zygote import shared as shared_zygote
 
 
@@ -42,10 +45,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
     """Run one configuration, on this machine or with worker nodes on ``machines``
     (a :class:`fedemu.launch.running.machines.Machines`); returns (run directory, summary).
     ``live``: a progress bar on a terminal (progress.RunProgress), the lines above it."""
-    # Before the config: its validation imports the algorithms, and with them torch
-    # (~1.2 s); the zygote's own imports for the nodes then run beside it.
-    shared_zygote()
-    config = configuration.load(config_path, overrides, values)
+    config, settings = resolve_config(config_path, overrides, values)
     progress = None
     if live:
         progress = RunProgress(config["run"]["rounds"])
@@ -64,7 +64,7 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
                 run.on_event = progress.event
 
             def prepare() -> None:
-                write_run_config(config, run_dir)
+                write_run_config(config, run_dir, settings)
                 data.fetch(config["data"]["dataset"], config["data"]["cache_dir"] or None, progress=echo)
                 echo(f"run directory: {run_dir}")
 
@@ -75,6 +75,64 @@ def launch(config_path: str | None, overrides: list[str], out: str | None, worke
         if progress is not None:
             progress.close()
         restore_signals(previous)
+
+
+# What comes before the pickled outcome in the output of `fedemu.launch resolve-config`.
+RESOLVED = b"\0fedemu: the resolved config follows\0"
+
+
+def resolve_config(config_path: str | None, overrides: list[str],
+                   values: dict | None = None) -> tuple[dict, str | None]:
+    """The config, loaded and checked, and its nodes' settings.json (None: for
+    write_run_config to make). Both import torch (the algorithms, the model against the
+    data: 1.2-2 s), which a local run's nodes import in the zygote anyway: so where this
+    process has no torch yet, they are made in a process forked from the zygote (started
+    here, first), and this one imports none for a local run. Anything that keeps that
+    from working loads the config here instead: the same config, the same errors."""
+    zygote = shared_zygote()
+    if zygote is not None and values is None and "torch" not in sys.modules:
+        args = ["resolve-config", *(item for override in overrides for item in ("--set", override)),
+                *(["--", config_path] if config_path is not None else [])]
+        try:
+            code, output = zygote.run(args)
+        except ZygoteError:
+            code, output = 1, b""
+        text, resolved, data = output.rpartition(RESOLVED)
+        if code == 0 and resolved:
+            config, settings, error = pickle.loads(data)
+            if text:  # what loading it printed (warnings), as it would have here
+                sys.stderr.buffer.write(text)
+                sys.stderr.flush()
+            if error is not None:
+                raise error
+            return config, settings
+    return configuration.load(config_path, overrides, values), None
+
+
+def write_resolved_config(config_path: str | None, overrides: list[str]) -> int:
+    """`fedemu.launch resolve-config`, forked from the zygote for resolve_config: the
+    config and its settings.json (None where making it fails: the launcher then says why,
+    as it would), or the error that refuses the config, pickled after RESOLVED on stdout;
+    exit status 0. Not 0 where the outcome would not arrive as it is (resolve_config then
+    loads the config itself)."""
+    try:
+        config = configuration.load(config_path, overrides)
+    except (configuration.ConfigError, DatasetError) as exc:
+        outcome = (None, None, exc)
+    else:
+        try:
+            settings = configuration.process_settings_json(config)
+        except configuration.ConfigError:
+            settings = None
+        outcome = (config, settings, None)
+    data = pickle.dumps(outcome)
+    error = pickle.loads(data)[2]
+    if error is not None and (type(error) is not type(outcome[2]) or str(error) != str(outcome[2])):
+        return 3
+    sys.stdout.flush()
+    sys.stdout.buffer.write(RESOLVED + data)
+    sys.stdout.flush()
+    return 0
 
 
 def _run_to_end(run: LocalRun, echo: Callable[[str], None], prepare: Callable[[], None]) -> dict:

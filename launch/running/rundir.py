@@ -55,16 +55,18 @@ def write_run_file(path: Path, text: str) -> None:
         raise LaunchError(str(exc)) from None
 
 
-def write_run_config(config: dict, run_dir: Path) -> None:
+def write_run_config(config: dict, run_dir: Path, settings: str | None = None) -> None:
     """The files every run directory starts with: the resolved config.toml, settings.json
-    (each node process's settings, which the nodes read instead of the config), and with
-    traces or device classes, population.json (the trace files' sha256 and each
-    client's device speed: worker nodes read their speeds there)."""
+    (each node process's settings, which the nodes read instead of the config; made here
+    unless ``settings`` has it already), and with traces or device classes,
+    population.json (the trace files' sha256 and each client's device speed: worker
+    nodes read their speeds there)."""
     write_run_file(run_dir / "config.toml", configuration.to_toml(config))
-    try:
-        settings = configuration.process_settings_json(config)
-    except configuration.ConfigError as exc:
-        raise LaunchError(str(exc)) from None
+    if settings is None:
+        try:
+            settings = configuration.process_settings_json(config)
+        except configuration.ConfigError as exc:
+            raise LaunchError(str(exc)) from None
     write_run_file(run_dir / configuration.PROCESS_SETTINGS_FILE, settings)
     try:
         population = configuration.population_record(config)

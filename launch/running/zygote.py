@@ -1,6 +1,8 @@
 """The zygote (issue 53): one process per launcher that imports torch, numpy and the
 node code once, then forks each of this machine's node processes on request, instead of
 each node starting a fresh interpreter that imports them again (~1.2 s of CPU each).
+The launcher's own config check, which needs torch too, runs in such a child
+(``Zygote.run``; launcher.resolve_config), so a local launch imports torch once.
 
 A forked child becomes the node exactly as ``python -m fedemu.launch node ...`` would:
 the launcher opens its output file as before and passes it over (stdout and stderr),
@@ -157,6 +159,23 @@ class Zygote:
                 self._pending.pop(self._next, None)
                 raise ZygoteError(f"the zygote is gone ({exc})") from None
         return node
+
+    def run(self, args: list[str]) -> tuple[int, bytes]:
+        """Run ``python -m fedemu.launch ARGS`` forked from here, to its end; returns its
+        exit code and what it printed (stdout and stderr, one pipe). Raises ZygoteError
+        if it could not run."""
+        read, write = os.pipe()
+        with open(read, "rb") as pipe:
+            try:
+                process = self.request(args, write)
+            finally:
+                os.close(write)  # the zygote has its own copy: the pipe ends when the child does
+            output = pipe.read()
+        process.started()
+        try:
+            return process.wait(60), output
+        except subprocess.TimeoutExpired:  # its output ended, its exit never came
+            raise ZygoteError("the zygote did not report the process's exit") from None
 
     def _read(self) -> None:
         while True:
