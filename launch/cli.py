@@ -67,6 +67,9 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     with worker nodes on other machines (--machines / --hostfile) or on the nodes of a
     Slurm allocation (--slurm)."""
     # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
+    from .running.zygote import shared as start_zygote
+
+    start_zygote()  # first: its imports (torch: the run's critical path) go beside the launcher's own
     from fedemu.common.ml.data import DatasetError
 
     from . import config as configuration
