@@ -70,6 +70,7 @@ def launch(config_file: str | None, overrides: tuple[str, ...], out: str | None,
     from .running.zygote import shared as start_zygote
 
     start_zygote()  # first: its imports (torch: the run's critical path) go beside the launcher's own
+    # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
     from fedemu.common.ml.data import DatasetError
 
     from . import config as configuration
