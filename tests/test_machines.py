@@ -361,3 +361,28 @@ machine = "h2"
         assert e["selected"] == [0, 1, 2, 3] and e["answered"] == [0, 1]
         assert e["stragglers"] + e["dropped"] and sorted(e["stragglers"] + e["dropped"]) == [2, 3]
     assert_hosts_left_clean(hosts)
+
+
+@needs_hosts
+def test_a_hosts_worker_nodes_fork_from_a_zygote_there_and_train_as_a_local_run(hosts, tmp_path):
+    """Two worker nodes on one host: its agent forks them from a zygote of its own (one
+    import of torch), and the model is the one a local run of the same config makes."""
+    from .test_sweep import tiny_mnist
+
+    tiny_mnist(tmp_path / "cache")
+    job = (f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}", "data.clients=4", "algorithm.C=1.0",
+           "run.rounds=2")
+    proc = launch(hosts, tmp_path / "spread", *job, machines="h1", extra=("--workers", "2"))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    for i in (0, 1):
+        assert "forked from the zygote" in (tmp_path / "spread" / "logs" / f"worker-{i}.out").read_text()
+    local = subprocess.run([sys.executable, "-m", "fedemu.launch", "launch", "--out", str(tmp_path / "local"),
+                            "--workers", "2", "--set", "run.target_accuracy=0", "--set", "run.torch_threads=1",
+                            *(arg for item in job for arg in ("--set", item))],
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stdout + local.stderr
+    hashes = {name: json.loads((tmp_path / name / "summary.json").read_text())["weights_sha256"]
+              for name in ("spread", "local")}
+    assert hashes["spread"] == hashes["local"]
+    assert_hosts_left_clean(hosts)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, child_env
+from .zygote import ForkedNode, Zygote, ZygoteError
+from .zygote import shared as shared_zygote
 from .slurm_task import launch_address, task_identity
 
 PACKAGES = ("fedemu.node", "fedemu.common", "fedemu.server", "fedemu.worker", "fedemu.launch")
@@ -192,20 +194,47 @@ class HostAgent:
             with os.fdopen(fd, "w") as f:
                 f.write(b[field])
             credentials += [option, str(path)]
+        # Two or more nodes here: they fork from a zygote that imported torch once (zygote.py).
+        zygote = shared_zygote() if len(b["indices"]) > 1 else None
+        started = []
         for index in b["indices"]:
             name = f"worker-{index}"
-            argv = [sys.executable, "-m", "fedemu.launch", "node", "worker", "--index", str(index),
-                    "--broker", b["broker"], "--run-dir", str(self.run_dir), "--workers", str(b["workers"]),
-                    *credentials, "--log-stream"]
-            # child_env names this agent: the node asks for SIGTERM when the agent dies.
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=child_env(), text=True, errors="replace")
+            args = ["node", "worker", "--index", str(index), "--broker", b["broker"], "--run-dir", str(self.run_dir),
+                    "--workers", str(b["workers"]), *credentials, "--log-stream"]
+            started.append((name, args, *self._start_node(zygote, args)))
+        for name, args, proc, output in started:
+            if isinstance(proc, ForkedNode):
+                try:
+                    proc.started()
+                except ZygoteError:  # the zygote could not fork it: the node starts as its own process
+                    output.close()
+                    proc, output = self._start_node(None, args)
             self.procs[name] = proc
             self.emit("started", name, proc.pid)
-            threading.Thread(target=self._forward, args=(name, proc), daemon=True).start()
+            threading.Thread(target=self._forward, args=(name, proc, output), daemon=True).start()
 
-    def _forward(self, name: str, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
+    @staticmethod
+    def _start_node(zygote: Zygote | None, args: list[str]) -> tuple:
+        """``python -m fedemu.launch ARGS``, forked from ``zygote`` (not yet running, maybe:
+        ForkedNode.started) or its own process; returns it and its output (text)."""
+        if zygote is not None:
+            read, write = os.pipe()
+            try:
+                proc = zygote.request(args, write)
+            except ZygoteError:
+                os.close(read)
+            else:
+                return proc, open(read, encoding="utf-8", errors="replace")
+            finally:
+                os.close(write)  # the zygote has its own copy
+        # child_env names this agent: the node asks for SIGTERM when the agent dies.
+        proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), text=True,
+                                errors="replace")
+        return proc, proc.stdout
+
+    def _forward(self, name: str, proc, output) -> None:
+        for line in output:
             self.emit("out", name, line.rstrip("\n"))
         self.emit("exit", name, proc.wait())
 

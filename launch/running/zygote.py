@@ -18,7 +18,8 @@ started again on first use; the zygote checks that the child's parent had one th
 when it forked (``threads`` in its reply, logged by the node).
 
 ``FEDEMU_ZYGOTE=0`` turns it off: each node starts as its own process (the old path,
-and the way to compare). Remote hosts (SSH, Slurm) start nodes as they always did.
+and the way to compare). An SSH host's agent (agent.py) forks its worker nodes from a
+zygote of its own where it runs two or more; a Slurm task runs one node, as its own process.
 """
 from __future__ import annotations
 
