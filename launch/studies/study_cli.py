@@ -54,6 +54,11 @@ def sweep(sweep_file: str, out: str | None, parallel: int | None, workers_per_po
         raise click.ClickException("--points-per-task must be >= 1")
     # SIGTERM and SIGHUP stop the sweep as Ctrl-C does: running points are interrupted and recorded.
     raise_on_stop_signals()
+    if not (slurm or dry_run or machines is not None):
+        # lazy: the CLI starts light, so its signal handlers are set before the heavy imports
+        from ..running.zygote import shared as start_zygote
+
+        start_zygote()  # before the spec's checks import torch: the zygote's import for the points goes beside it
     try:
         spec = load_spec(sweep_file, out)
         if slurm:
