@@ -91,15 +91,18 @@ def resolve_config(config_path: str | None, overrides: list[str],
     from working loads the config here instead: the same config, the same errors."""
     zygote = shared_zygote()
     if zygote is not None and values is None and "torch" not in sys.modules:
-        args = ["resolve-config", *(item for override in overrides for item in ("--set", override)),
+        args = ["resolve-config", *(f"--set={override}" for override in overrides),
                 *(["--", config_path] if config_path is not None else [])]
         try:
             code, output = zygote.run(args)
         except ZygoteError:
             code, output = 1, b""
         text, resolved, data = output.rpartition(RESOLVED)
-        if code == 0 and resolved:
-            config, settings, error = pickle.loads(data)
+        try:
+            config, settings, error = pickle.loads(data) if code == 0 and resolved else (None, None, None)
+        except Exception:  # whatever it was, it did not arrive: loaded here instead
+            config = error = None
+        if config is not None or error is not None:
             if text:  # what loading it printed (warnings), as it would have here
                 sys.stderr.buffer.write(text)
                 sys.stderr.flush()
