@@ -31,9 +31,9 @@ from pathlib import Path
 
 from .. import config as configuration
 from .lifecycle import STOP_SIGNALS, child_env
+from .slurm_task import launch_address, task_identity
 from .zygote import ForkedNode, Zygote, ZygoteError
 from .zygote import shared as shared_zygote
-from .slurm_task import launch_address, task_identity
 
 PACKAGES = ("fedemu.node", "fedemu.common", "fedemu.server", "fedemu.worker", "fedemu.launch")
 
