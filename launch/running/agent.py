@@ -218,15 +218,12 @@ class HostAgent:
         """``python -m fedemu.launch ARGS``, forked from ``zygote`` (not yet running, maybe:
         ForkedNode.started) or its own process; returns it and its output (text)."""
         if zygote is not None:
-            read, write = os.pipe()
             try:
-                proc = zygote.request(args, write)
+                proc, read = zygote.request_piped(args)
             except ZygoteError:
-                os.close(read)
+                pass
             else:
                 return proc, open(read, encoding="utf-8", errors="replace")
-            finally:
-                os.close(write)  # the zygote has its own copy
         # child_env names this agent: the node asks for SIGTERM when the agent dies.
         proc = subprocess.Popen([sys.executable, "-m", "fedemu.launch", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), text=True,

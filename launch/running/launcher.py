@@ -98,10 +98,12 @@ def resolve_config(config_path: str | None, overrides: list[str],
         except ZygoteError:
             code, output = 1, b""
         text, resolved, data = output.rpartition(RESOLVED)
-        try:
-            config, settings, error = pickle.loads(data) if code == 0 and resolved else (None, None, None)
-        except Exception:  # whatever it was, it did not arrive: loaded here instead
-            config = error = None
+        config = error = None
+        if code == 0 and resolved:
+            try:
+                config, settings, error = pickle.loads(data)
+            except Exception:  # whatever it was, it did not arrive: loaded here instead
+                config = error = None
         if config is not None or error is not None:
             if text:  # what loading it printed (warnings), as it would have here
                 sys.stderr.buffer.write(text)

@@ -161,16 +161,24 @@ class Zygote:
                 raise ZygoteError(f"the zygote is gone ({exc})") from None
         return node
 
+    def request_piped(self, args: list[str]) -> tuple[ForkedNode, int]:
+        """``request`` with a new pipe as its output; returns the node and the pipe's read
+        end, which ends when the node does. Raises ZygoteError (and closes the pipe)."""
+        read, write = os.pipe()
+        try:
+            return self.request(args, write), read
+        except ZygoteError:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)  # the zygote has its own copy
+
     def run(self, args: list[str]) -> tuple[int, bytes]:
         """Run ``python -m fedemu.launch ARGS`` forked from here, to its end; returns its
         exit code and what it printed (stdout and stderr, one pipe). Raises ZygoteError
         if it could not run."""
-        read, write = os.pipe()
+        process, read = self.request_piped(args)
         with open(read, "rb") as pipe:
-            try:
-                process = self.request(args, write)
-            finally:
-                os.close(write)  # the zygote has its own copy: the pipe ends when the child does
             output = pipe.read()
         process.started()
         try:
